@@ -1,0 +1,35 @@
+"""`RuntimeConfig`: the engine's options (model, memory, scheduling). CLI defaults are read from here.
+
+Option names are SGLang's CLI flag names in snake_case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model_path: str | None = field(default=None, metadata={"help": "GGUF file or HF model folder; default: the embedded SmolLM2-135M-Instruct."})
+    load_format: str = field(default="auto", metadata={"help": "auto, gguf, safetensors or dummy (random weights from config.json)."})
+    dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."})
+    device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda."})
+    context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens; default: the model's."})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "L1 KV pool size in tokens (overrides mem_fraction_static)."})
+    mem_fraction_static: float = field(default=0.85, metadata={"help": "Fraction of device memory for weights + L1 KV pool (on CPU: of available host memory, capped)."})
+    max_running_requests: int = field(default=256, metadata={"help": "Max requests in one batch."})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
+    random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, gguf, safetensors or dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError("mem_fraction_static must be in (0, 1]")

@@ -1,0 +1,42 @@
+"""Typed messages between a front end (Engine, HTTP server) and the scheduler.
+
+Plain dataclasses of builtins so that they cross a ZMQ socket as msgpack (never pickle):
+`dataclasses.asdict(msg)` encodes, `Cls(**d)` decodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict  # validated by SamplingParams.from_dict in the scheduler
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    cache_salt: str = ""  # tenants with different salts never share cached KV
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one request since the previous output for it (`new_token_ids`).
+
+    `finish_reason` is None while running, else {"type": "stop"|"length"|"abort", ...}
+    with "matched" naming the stop token id or stop string. `meta` carries prompt_tokens,
+    completion_tokens, cached_tokens and cached_tokens_details {device, host, storage}.
+    `logprobs`: per new token [token_logprob, [[token_id, logprob], ...top-k]] when asked.
+    `error` is set (and finish_reason type "abort") when the request was rejected.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict | None = None
+    meta: dict = field(default_factory=dict)
+    logprobs: list | None = None
+    error: str | None = None
