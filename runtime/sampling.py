@@ -1,0 +1,196 @@
+"""`SamplingParams`: one request's decoding options, with SGLang's native field names.
+
+Front ends pass a plain dict (JSON / msgpack); the scheduler turns it into `SamplingParams` with
+`SamplingParams.from_dict(d, vocab_size)`, which raises `ValueError` naming the offending field, so the
+message can go back to the client as a 400.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Temperatures below this are treated as greedy (as SGLang does): dividing logits by ~0 only overflows.
+GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Immutable, validated decoding options of one request.
+
+    `stop` and `stop_token_ids` are stored as tuples so that the object stays hashable;
+    `to_dict()` gives them back as lists.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict | None, vocab_size: int) -> SamplingParams:
+        """Validate `d` (None or {} gives the defaults). A key whose value is None takes its default.
+
+        Raises ValueError naming the field for unknown keys, wrong types and out-of-range values.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        for key in d:
+            if key not in _FIELD_NAMES:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        kwargs = {k: _VALIDATORS[k](k, v, vocab_size) for k, v in d.items() if v is not None}
+        return cls(**kwargs)
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+def _int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    return float(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a boolean, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _check(ok: bool, name: str, rule: str, v: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {v!r}")
+
+
+def _max_new_tokens(name: str, v: Any, _vocab: int) -> int:
+    v = _int(name, v)
+    _check(v >= 0, name, ">= 0", v)
+    return v
+
+
+def _temperature(name: str, v: Any, _vocab: int) -> float:
+    v = _float(name, v)
+    _check(v >= 0, name, ">= 0", v)
+    return v
+
+
+def _top_p(name: str, v: Any, _vocab: int) -> float:
+    v = _float(name, v)
+    _check(0 < v <= 1, name, "in (0, 1]", v)
+    return v
+
+
+def _top_k(name: str, v: Any, _vocab: int) -> int:
+    v = _int(name, v)
+    _check(v == -1 or v >= 1, name, "-1 (off) or >= 1", v)
+    return v
+
+
+def _min_p(name: str, v: Any, _vocab: int) -> float:
+    v = _float(name, v)
+    _check(0 <= v <= 1, name, "in [0, 1]", v)
+    return v
+
+
+def _repetition_penalty(name: str, v: Any, _vocab: int) -> float:
+    v = _float(name, v)
+    _check(v > 0, name, "> 0", v)
+    return v
+
+
+def _openai_penalty(name: str, v: Any, _vocab: int) -> float:
+    v = _float(name, v)
+    _check(-2 <= v <= 2, name, "in [-2, 2]", v)
+    return v
+
+
+def _n(name: str, v: Any, _vocab: int) -> int:
+    v = _int(name, v)
+    _check(v >= 1, name, ">= 1", v)
+    return v
+
+
+def _stop(name: str, v: Any, _vocab: int) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(v).__name__}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{name} must hold non-empty strings, got {s!r}")
+    return tuple(items)
+
+
+def _stop_token_ids(name: str, v: Any, vocab_size: int) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {type(v).__name__}")
+    for t in v:
+        _int(name, t)
+        _check(0 <= t < vocab_size, name, f"token ids in [0, {vocab_size})", t)
+    return tuple(v)
+
+
+def _seed(name: str, v: Any, _vocab: int) -> int:
+    return _int(name, v)
+
+
+def _flag(name: str, v: Any, _vocab: int) -> bool:
+    return _bool(name, v)
+
+
+_VALIDATORS = {
+    "max_new_tokens": _max_new_tokens,
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _top_k,
+    "min_p": _min_p,
+    "repetition_penalty": _repetition_penalty,
+    "frequency_penalty": _openai_penalty,
+    "presence_penalty": _openai_penalty,
+    "stop": _stop,
+    "stop_token_ids": _stop_token_ids,
+    "ignore_eos": _flag,
+    "seed": _seed,
+    "n": _n,
+    "skip_special_tokens": _flag,
+    "spaces_between_special_tokens": _flag,
+    "no_stop_trim": _flag,
+}
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+assert _FIELD_NAMES == set(_VALIDATORS), "every field needs a validator"
