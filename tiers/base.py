@@ -35,6 +35,10 @@ class PageAllocator(Protocol):
 
     def capacity_tokens(self) -> int: ...
 
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot index (int64, CPU), in any order. For integrity checks, not hot paths."""
+        ...
+
 
 class DevicePool(Protocol):
     """L1: per-layer K and V buffers indexed by slot. On a machine with no GPU the buffers
