@@ -1,0 +1,179 @@
+"""`ModelConfig`: the architecture of a Llama-family model, read from an HF config.json dict.
+
+Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
+5.x (`rope_parameters`) spellings. `fingerprint` namespaces cache keys (DESIGN §3): two models
+whose KV could differ never share it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# "freq_factors": llama.cpp's per-dimension divisors of inv_freq (GGUF tensor rope_freqs.weight),
+# which is how a Llama-3.1 GGUF carries its llama3 scaling.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None for plain RoPE, else {"rope_type": ..., params}; never mutate
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    architecture: str = "LlamaForCausalLM"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    def __hash__(self) -> int:  # rope_scaling is a dict: hash the stable fingerprint instead
+        return hash(self.fingerprint)
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of sha256 over every field but the token ids (they do not change KV)."""
+        d = asdict(self)
+        d.pop("bos_token_id")
+        d.pop("eos_token_ids")
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, d: dict, name: str | None = None) -> ModelConfig:
+        """Build from an HF config.json dict (LlamaForCausalLM / MistralForCausalLM).
+
+        Raises ValueError for other architectures and for features our model lacks
+        (attention/MLP biases, non-SiLU activations, sliding windows, unknown RoPE types).
+        """
+        arch = _architecture(d)
+        _check_supported(d, arch)
+        num_heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        rope_theta, rope_scaling = _rope(d)
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+            name=name if name is not None else str(d.get("_name_or_path", "") or ""),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, name: str | None = None) -> ModelConfig:
+        """From a config.json file, or a folder holding one."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        return cls.from_hf_config(json.loads(path.read_text()), name=name)
+
+    def to_hf_config(self) -> dict:
+        """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "freq_factors":
+            raise ValueError("freq_factors RoPE (from a GGUF rope_freqs tensor) has no HF config spelling")
+        return d
+
+
+def _architecture(d: dict) -> str:
+    archs = d.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return a
+    if not archs and d.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[d["model_type"]]
+    got = archs or d.get("model_type")
+    raise ValueError(f"unsupported architecture {got!r}: hicache runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported(d: dict, arch: str) -> None:
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ValueError(f"{arch} with attention or MLP biases is not supported")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    window = d.get("sliding_window")
+    if window is not None and window < int(d.get("max_position_embeddings", 0) or 0):
+        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    if d.get("pretraining_tp", 1) not in (1, None):
+        raise ValueError("pretraining_tp > 1 is not supported")
+
+
+def _rope(d: dict) -> tuple[float, dict | None]:
+    params = dict(d.get("rope_parameters") or {})  # transformers 5.x
+    scaling = dict(d.get("rope_scaling") or {})  # transformers 4.x
+    merged = {**params, **scaling}
+    theta = float(d.get("rope_theta") or merged.pop("rope_theta", None) or 10000.0)
+    merged.pop("rope_theta", None)
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in merged]
+        if missing:
+            raise ValueError(f"llama3 rope_scaling lacks {missing}")
+    if rope_type == "linear" and "factor" not in merged:
+        raise ValueError("linear rope_scaling lacks 'factor'")
+    return theta, {"rope_type": rope_type, **merged}

@@ -1,0 +1,243 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral without sliding window, SmolLM2).
+
+Our own implementation: RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), GQA attention
+through a pluggable backend, SwiGLU MLP, optional tied embeddings. Weights are fused on load
+(q/k/v into `qkv_proj`, gate/up into `gate_up_proj`); `load_weights` takes HF-named tensors.
+
+Contract with the attention backend (runtime/attention.py): each layer calls
+`batch.attn.forward(q, k, v, layer_id, batch)` with q [T, num_heads, head_dim] and k, v
+[T, num_kv_heads, head_dim] in the model dtype, on the model device, RoPE already applied to q and
+k; q and k are contiguous, v may be a strided view (last dim contiguous). The backend stores k/v in
+the KV pool, attends with scale head_dim**-0.5 and returns [T, num_heads, head_dim].
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.runtime.model_config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in fp32, cast back, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with the config's scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with a lazily built fp32 cos/sin cache.
+
+    The cache covers `max(max_position_embeddings, ensure(n))` positions and is built on first use
+    on the device of the positions. On CPU a larger position grows it; on CUDA call `ensure(n)`
+    before capturing graphs or running past max_position_embeddings (no device sync in forward).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config)  # [D/2] fp32, CPU
+        self.max_positions = config.max_position_embeddings
+        self.cos_sin: torch.Tensor | None = None  # [P, D] fp32: cos in [:, :D/2], sin in [:, D/2:]
+
+    def ensure(self, num_positions: int, device: torch.device | str | None = None) -> None:
+        self.max_positions = max(self.max_positions, num_positions)
+        dev = torch.device(device) if device is not None else (self.cos_sin.device if self.cos_sin is not None else torch.device("cpu"))
+        if self.cos_sin is None or self.cos_sin.shape[0] < self.max_positions or self.cos_sin.device != dev:
+            t = torch.arange(self.max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)
+            self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dev)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype)."""
+        if self.cos_sin is None or self.cos_sin.device != positions.device:
+            self.ensure(self.max_positions, positions.device)
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
+            self.ensure(2 * int(positions.max()) + 1, positions.device)
+        cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype, device=device)
+        self.o_proj = _param(config.hidden_size, self.q_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rope(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
+        out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
+        return F.linear(out.reshape(T, self.q_size), self.o_proj)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. Parameters are created uninitialised (torch.empty) in `dtype` on `device`;
+    fill them with `load_weights` or a random init (weights/dummy.py). Norm weights start at 1."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (all requests' new tokens concatenated), on the model
+        device. `batch.attn` is the attention backend. Returns [T, hidden] after the final norm."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, batch)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (`model.layers.3.self_attn.q_proj.weight`, ...) into the fused
+        parameters, converting dtype and device. Returns the HF names it consumed; unknown names
+        (rotary inv_freq buffers, ...) are skipped. Call `check_loaded` afterwards."""
+        loaded = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            param, start, size = target
+            dst = param if start is None else param.narrow(0, start, size)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """HF names a complete checkpoint provides for this config."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        return names
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+    def _target(self, name: str) -> tuple[torch.Tensor, int | None, int | None] | None:
+        """(parameter, row offset or None, row count or None) for an HF tensor name."""
+        c = self.config
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None, None
+        if name == "lm_head.weight":
+            return (None if c.tie_word_embeddings else (self.lm_head, None, None))
+        if name == "model.norm.weight":
+            return self.norm.weight, None, None
+        m = self._LAYER_RE.match(name)
+        if m is None or int(m.group(1)) >= c.num_layers:
+            return None
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        qkv = layer.self_attn.qkv_proj
+        table = {
+            "input_layernorm.weight": (layer.input_layernorm.weight, None, None),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None, None),
+            "self_attn.q_proj.weight": (qkv, 0, c.q_size),
+            "self_attn.k_proj.weight": (qkv, c.q_size, c.kv_size),
+            "self_attn.v_proj.weight": (qkv, c.q_size + c.kv_size, c.kv_size),
+            "self_attn.o_proj.weight": (layer.self_attn.o_proj, None, None),
+            "mlp.gate_proj.weight": (layer.mlp.gate_up_proj, 0, c.intermediate_size),
+            "mlp.up_proj.weight": (layer.mlp.gate_up_proj, c.intermediate_size, c.intermediate_size),
+            "mlp.down_proj.weight": (layer.mlp.down_proj, None, None),
+        }
+        return table.get(rest)
