@@ -1,0 +1,35 @@
+"""Request-to-token table: row r lists the KV slots of request slot r's tokens in order."""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenTable:
+    """table: [max_requests, max_context] int64 on the compute device.
+
+    Row r, column i holds the pool slot of token i of the request that owns row r. Rows are
+    handed out by `alloc()` and returned by `free()`; only the scheduler thread calls them.
+    """
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def max_context(self) -> int:
+        return self.table.shape[1]
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+
+    def read(self, row: int, length: int) -> torch.Tensor:
+        return self.table[row, :length]
