@@ -20,6 +20,7 @@ class RuntimeConfig:
     chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
+    attention_backend: str = field(default="torch", metadata={"help": "Attention kernels: torch (the reference path, used on CPU)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 
     def __post_init__(self) -> None:

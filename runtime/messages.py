@@ -40,3 +40,21 @@ class TokenOutput:
     meta: dict = field(default_factory=dict)
     logprobs: list | None = None
     error: str | None = None
+
+
+def expand_n(msg: GenerateRequest) -> list[GenerateRequest]:
+    """Fan a request with sampling n > 1 out into n requests `{rid}-{i}`. With a seed, copy i
+    uses seed + i, so the n outputs differ yet the whole set is reproducible."""
+    params = dict(msg.sampling_params or {})
+    n = params.pop("n", None) or 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if n == 1:
+        return [GenerateRequest(msg.rid, msg.input_ids, params, msg.return_logprob, msg.top_logprobs_num, msg.cache_salt)]
+    out = []
+    for i in range(n):
+        p = dict(params)
+        if isinstance(p.get("seed"), int) and not isinstance(p["seed"], bool):
+            p["seed"] = p["seed"] + i
+        out.append(GenerateRequest(f"{msg.rid}-{i}", msg.input_ids, p, msg.return_logprob, msg.top_logprobs_num, msg.cache_salt))
+    return out

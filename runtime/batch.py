@@ -1,0 +1,49 @@
+"""What one scheduling step runs: the scheduler's plan and the runner's tensors for it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from hicache.runtime.request import Req
+    from hicache.tiers.gpu.pool import DeviceKVPool
+
+
+@dataclass
+class BatchPlan:
+    """Made by `Scheduler.schedule()`, run by `ModelRunner.run()`, applied by `process_result()`.
+
+    For request i: compute tokens [starts[i], starts[i] + extend_lens[i]) of `req.all_ids`; the KV
+    slots of tokens [0, starts[i] + extend_lens[i]) are already in the request-to-token table.
+    sample[i] is False for a prefill chunk that does not reach the end of `all_ids`.
+    """
+
+    mode: str  # "extend" | "decode"
+    reqs: list[Req]
+    starts: list[int]
+    extend_lens: list[int]
+    sample: list[bool]
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one forward pass, read by the model and the attention backend."""
+
+    mode: str
+    attn: Any  # an attention backend (runtime/attention.py)
+    pool: DeviceKVPool
+    out_cache_loc: torch.Tensor  # [T] int64, device: slots of the new tokens
+    extend_lens: list[int]
+    token_slots: list[torch.Tensor]  # extend: per request [start + extend_len] int64 slots
+    slot_table: torch.Tensor | None = None  # decode: [B, L] int64
+    seq_lens: torch.Tensor | None = None  # decode: [B] int64
+
+
+class StepOutput(NamedTuple):
+    """Per request of the plan: the sampled token (None where the plan did not sample)."""
+
+    next_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list | None]

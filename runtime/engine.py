@@ -1,0 +1,229 @@
+"""`Engine`: the in-process front end. A background thread runs the scheduler loop; callers
+submit requests and receive outputs through per-request callbacks."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from hicache.config import HiCacheConfig
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput, expand_n
+from hicache.runtime.scheduler import Scheduler
+from hicache.runtime.stop import trim_stop
+from hicache.runtime.tokenizer import apply_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+def split_options(options: dict) -> tuple[RuntimeConfig, HiCacheConfig]:
+    """Route snake_case CLI-style options to the config dataclass that owns each."""
+    rc_names = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    cc_names = {f.name for f in dataclasses.fields(HiCacheConfig)}
+    unknown = set(options) - rc_names - cc_names
+    if unknown:
+        raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
+    rc = RuntimeConfig(**{k: v for k, v in options.items() if k in rc_names})
+    cc = HiCacheConfig(**{k: v for k, v in options.items() if k in cc_names})
+    return rc, cc
+
+
+class Engine:
+    """`Engine(model_path=None, **options)`: options are the CLI flags in snake_case."""
+
+    def __init__(self, model_path: str | None = None, **options: Any):
+        rc, cc = split_options({"model_path": model_path, **options})
+        self.scheduler = Scheduler(rc, cc)
+        self.tokenizer = self.scheduler.tokenizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._listeners: dict[str, Callable[[TokenOutput], None]] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="hicache-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0, cache_salt: str = "") -> dict | list[dict]:
+        """Generate for one prompt (returns a dict) or a list (returns a list; n > 1 also gives a
+        list). Bad input raises ValueError naming the field before anything is queued."""
+        msgs, single = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt)
+        done = threading.Event()
+        results: dict[str, list[TokenOutput]] = {m.rid: [] for m in msgs}
+        remaining = [len(msgs)]
+        lock = threading.Lock()
+
+        def on_output(out: TokenOutput) -> None:
+            results[out.rid].append(out)
+            if out.finish_reason is not None:
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+        self._submit(msgs, on_output)
+        while not done.wait(0.5):
+            self._raise_if_dead()
+        outs = [self._result(m, results[m.rid]) for m in msgs]
+        return outs[0] if single else outs
+
+    async def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
+                             input_ids: list[int] | None = None, return_logprob: bool = False,
+                             top_logprobs_num: int = 0, cache_salt: str = "") -> AsyncIterator[dict]:
+        """Stream one request: yields cumulative results ({"text", "output_ids", "meta_info"})."""
+        msgs, _ = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt)
+        if len(msgs) != 1:
+            raise ValueError("async_generate streams one prompt with n = 1")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._submit(msgs, lambda out: loop.call_soon_threadsafe(q.put_nowait, out))
+        seen: list[TokenOutput] = []
+        try:
+            while not seen or seen[-1].finish_reason is None:
+                seen.append(await q.get())
+                yield self._result(msgs[0], seen)
+        finally:
+            if not seen or seen[-1].finish_reason is None:
+                self.abort(msgs[0].rid)
+
+    def chat(self, messages: list[dict], sampling_params: dict | None = None, **kw: Any) -> dict:
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this model has none")
+        return self.generate(input_ids=apply_chat_template(self.tokenizer, messages), sampling_params=sampling_params, **kw)
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(AbortRequest(rid))
+
+    def flush_cache(self) -> bool:
+        return self._call(self.scheduler.flush_cache)
+
+    def get_stats(self) -> dict:
+        return self._call(self.scheduler.stats)
+
+    def check_integrity(self) -> None:
+        self._call(self.scheduler.check_integrity)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt):
+        single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)))
+        ids = self._token_ids(prompt, input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(ids)} prompts")
+        msgs = []
+        for one_ids, p in zip(ids, params):
+            if p is not None and not isinstance(p, dict):
+                raise ValueError("sampling_params must be a dict or a list of dicts")
+            base = GenerateRequest(f"eng-{next(self._ids)}-{uuid.uuid4().hex[:8]}", one_ids, dict(p or {}),
+                                   return_logprob, top_logprobs_num, cache_salt)
+            for m in expand_n(base):
+                self.scheduler.validate(m)
+                msgs.append(m)
+        return msgs, single and len(msgs) == 1
+
+    def _token_ids(self, prompt, input_ids) -> list[list[int]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if input_ids is not None:
+            seqs = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+            for s in seqs:
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
+                    raise ValueError("input_ids: must be a list of integers")
+            return [list(s) for s in seqs]
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass input_ids")
+        for p in prompts:
+            if not isinstance(p, str) or not p:
+                raise ValueError("prompt: must be a non-empty string")
+        return [self.tokenizer(p).input_ids for p in prompts]
+
+    def _result(self, msg: GenerateRequest, outs: list[TokenOutput]) -> dict:
+        last = outs[-1]
+        if last.error:
+            raise ValueError(last.error)
+        ids = [t for o in outs for t in o.new_token_ids]
+        p = msg.sampling_params
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.get("skip_special_tokens", True))
+            text = trim_stop(text, last.finish_reason, p.get("no_stop_trim", False))
+        meta = dict(last.meta, id=msg.rid, finish_reason=last.finish_reason)
+        if msg.return_logprob:
+            meta["output_token_logprobs"] = [lp for o in outs for lp in (o.logprobs or [])]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _submit(self, msgs: list[GenerateRequest], callback: Callable[[TokenOutput], None]) -> None:
+        self._raise_if_dead()
+        for m in msgs:
+            self._listeners[m.rid] = callback
+            self._inbox.put(m)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the scheduler thread (the only thread that may touch the scheduler)."""
+        box: queue.Queue = queue.Queue()
+        self._inbox.put(lambda: box.put(fn()))
+        while True:
+            self._raise_if_dead()
+            try:
+                return box.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the engine's scheduler loop failed") from self._error
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        try:
+            while not self._stopped:
+                self._drain(block=not sched.has_work())
+                for out in sched.step():
+                    cb = self._listeners.get(out.rid)
+                    if out.finish_reason is not None:
+                        self._listeners.pop(out.rid, None)
+                    if cb is not None:
+                        cb(out)
+        except BaseException as e:  # surfaced to every caller by _raise_if_dead
+            logger.exception("scheduler loop failed")
+            self._error = e
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            if isinstance(item, GenerateRequest):
+                self.scheduler.add_request(item)
+            elif isinstance(item, AbortRequest):
+                self.scheduler.abort(item.rid)
+            elif callable(item):
+                item()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return

@@ -1,0 +1,62 @@
+"""The model runner: turns a batch plan into tensors, runs the model, samples.
+
+It never decides admission or eviction; it reads the request-to-token table the scheduler filled.
+"""
+from __future__ import annotations
+
+import torch
+
+from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
+from hicache.runtime.sampler import Sampler
+from hicache.tiers.gpu.pool import DeviceKVPool
+from hicache.tiers.gpu.req_table import ReqToTokenTable
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pool: DeviceKVPool, req_table: ReqToTokenTable,
+                 attn, device: torch.device):
+        self.model = model
+        self.pool = pool
+        self.req_table = req_table
+        self.attn = attn
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def run(self, plan: BatchPlan) -> StepOutput:
+        input_ids, positions, batch = self._prepare(plan)
+        hidden = self.model(input_ids, positions, batch)
+        rows = [i for i, s in enumerate(plan.sample) if s]
+        if not rows:
+            return StepOutput([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
+        ends = torch.tensor(plan.extend_lens, device=self.device).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[ends[rows]])
+        return self._sample(plan, rows, logits)
+
+    def _prepare(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        ids, pos, locs, token_slots = [], [], [], []
+        for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+            ids.extend(req.all_ids[start:start + n])
+            pos.append(torch.arange(start, start + n))
+            slots = self.req_table.read(req.row, start + n)
+            locs.append(slots[start:])
+            token_slots.append(slots)
+        batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots)
+        if plan.mode == "decode":
+            rows = torch.tensor([r.row for r in plan.reqs], device=self.device)
+            seq_lens = torch.tensor([s + 1 for s in plan.starts], device=self.device)
+            batch.slot_table = self.req_table.table[rows, : int(seq_lens.max())]
+            batch.seq_lens = seq_lens
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, torch.cat(pos).to(self.device), batch
+
+    def _sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor) -> StepOutput:
+        reqs = [plan.reqs[i] for i in rows]
+        res = self.sampler.sample(
+            logits, [r.params for r in reqs], [r.generator for r in reqs],
+            [r.input_ids for r in reqs], [r.output_ids for r in reqs],
+            [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
+        out = StepOutput([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
+        for j, i in enumerate(rows):
+            out.next_ids[i], out.logprobs[i], out.top_logprobs[i] = res.next_ids[j], res.logprobs[j], res.top_logprobs[j]
+        return out

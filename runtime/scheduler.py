@@ -1,0 +1,288 @@
+"""The scheduler: continuous batching over the L1 pool and the radix tree.
+
+Only the thread that calls `step()` touches the scheduler, the tree and the pools. A step is
+`schedule()` (a BatchPlan: a prefill batch when prompts wait, else one decode token for every
+running request), `runner.run(plan)`, then `process_result(plan, output)`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.runtime.batch import BatchPlan, StepOutput
+from hicache.runtime.build import build
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.messages import GenerateRequest, TokenOutput
+from hicache.runtime.request import Req
+from hicache.runtime.sampler import make_generator
+from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runtime_config: RuntimeConfig | None = None, cache_config: HiCacheConfig | None = None):
+        self.rc = runtime_config or RuntimeConfig()
+        self.cc = cache_config or HiCacheConfig()
+        parts = build(self.rc, self.cc)
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.pool, self.req_table, self.tree, self.runner = parts.pool, parts.req_table, parts.tree, parts.runner
+        self.context_length, self.model_name = parts.context_length, parts.model_name
+        self.page_size = self.cc.page_size
+        self.alloc = self.pool.allocator
+        self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self._outputs: list[TokenOutput] = []
+        self._arrivals = itertools.count()
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, evicted_tokens=0,
+                             retractions=0, requests_finished=0, requests_aborted=0)
+
+    # ---- front-end calls -------------------------------------------------------------------
+
+    def validate(self, req: GenerateRequest) -> SamplingParams:
+        """Raises ValueError naming the bad field; returns the parsed sampling parameters."""
+        params = SamplingParams.from_dict(req.sampling_params, self.model_config.vocab_size)
+        ids = req.input_ids
+        if not ids:
+            raise ValueError("input_ids: the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"input_ids: token ids must be in [0, {self.model_config.vocab_size})")
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds the context length {self.context_length}")
+        if len(ids) + params.max_new_tokens > self.alloc.capacity_tokens():
+            raise ValueError(f"input_ids: prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds "
+                             f"the KV pool ({self.alloc.capacity_tokens()} tokens)")
+        if req.top_logprobs_num < 0:
+            raise ValueError("top_logprobs_num must be >= 0")
+        return params
+
+    def add_request(self, msg: GenerateRequest) -> None:
+        try:
+            params = self.validate(msg)
+        except ValueError as e:
+            self._outputs.append(TokenOutput(msg.rid, [], {"type": "abort"}, error=str(e)))
+            return
+        seq = next(self._arrivals)
+        gen = None if params.is_greedy else make_generator(params.seed, self.rc.random_seed * 1_000_003 + seq,
+                                                           self.runner.device)
+        req = Req(msg.rid, list(msg.input_ids), params, msg.cache_salt, gen, msg.return_logprob, msg.top_logprobs_num)
+        req.arrival_seq = seq
+        if params.max_new_tokens == 0:
+            req.cached_tokens = 0
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._release(req)
+                    self.counters["requests_aborted"] += 1
+                    self._finish(req, {"type": "abort"})
+                    return
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._outputs)
+
+    def step(self) -> list[TokenOutput]:
+        plan = self.schedule()
+        if plan is not None:
+            self.process_result(plan, self.runner.run(plan))
+        outs, self._outputs = self._outputs, []
+        return outs
+
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False
+        self.tree.reset()
+        return True
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> BatchPlan | None:
+        plan = BatchPlan("extend", [], [], [], [])
+        budget = self.rc.max_prefill_tokens
+        for req in sorted(self.running, key=lambda r: r.arrival_seq):
+            if req in self.running and req.kv_len < req.seq_len - 1:
+                budget -= self._add_chunk(plan, req, budget)
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) >= self.rc.max_running_requests:
+                break
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            budget -= n
+            self._add_chunk(plan, req, n, allocated=True)
+        return plan if plan.reqs else None
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.rc.schedule_policy == "fcfs" or self.tree.disabled:
+            return list(self.waiting)
+        matched = {r.rid: self.tree.match(r.all_ids[:-1], r.namespace).device_slots.numel() for r in self.waiting}
+        return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.arrival_seq))
+
+    def _chunk_len(self, req: Req, budget: int) -> int:
+        n = min(req.seq_len - req.kv_len, budget)
+        if self.rc.chunked_prefill_size > 0:
+            n = min(n, self.rc.chunked_prefill_size)
+        return n
+
+    def _admit(self, req: Req, budget: int) -> int:
+        """Match the prefix, lock it, take a table row and the slots of the first chunk.
+        Returns the chunk length, or 0 (nothing held) when memory is short."""
+        match = self.tree.match(req.all_ids[:-1], req.namespace)
+        self.tree.lock(match.last_node)
+        prefix = match.device_slots.numel()
+        req.last_node, req.prefix_len, req.kv_len, req.slots = match.last_node, prefix, prefix, match.device_slots
+        n = self._chunk_len(req, budget)
+        headroom = self.page_size * sum(1 for r in self.running if r.kv_len >= r.seq_len - 1)
+        req.row = self.req_table.alloc()
+        if req.row is not None:
+            self.req_table.write(req.row, 0, req.slots)
+        if req.row is None or not self._ensure_slots(req, prefix + n, headroom):
+            self._release(req)
+            return 0
+        self.waiting.remove(req)
+        self.running.append(req)
+        if req.cached_tokens is None:
+            req.cached_tokens = prefix
+            self.counters["cached_device"] += prefix
+        return n
+
+    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False) -> int:
+        n = self._chunk_len(req, budget)
+        if n <= 0 or not (allocated or self._make_room(req, req.kv_len + n)):
+            return 0
+        plan.reqs.append(req)
+        plan.starts.append(req.kv_len)
+        plan.extend_lens.append(n)
+        plan.sample.append(req.kv_len + n == req.seq_len)
+        return n
+
+    def _schedule_decode(self) -> BatchPlan | None:
+        plan = BatchPlan("decode", [], [], [], [])
+        for req in sorted(self.running, key=lambda r: r.arrival_seq):
+            if req in self.running and req.kv_len == req.seq_len - 1 and self._make_room(req, req.kv_len + 1):
+                plan.reqs.append(req)
+                plan.starts.append(req.kv_len)
+                plan.extend_lens.append(1)
+                plan.sample.append(True)
+        return plan if plan.reqs else None
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def _ensure_slots(self, req: Req, upto: int, headroom: int = 0) -> bool:
+        """Grow req's slots to cover `upto` tokens (whole pages), evicting the tree if needed,
+        keeping `headroom` tokens free for running requests. False when it cannot."""
+        need = -(-upto // self.page_size) * self.page_size - req.slots.numel()
+        if need <= 0:
+            return True
+        short = need + headroom - self.alloc.num_free_tokens()
+        if short > 0:
+            self.counters["evicted_tokens"] += self.tree.evict(short)
+            if need + headroom > self.alloc.num_free_tokens():
+                return False
+        new = self.alloc.alloc(need)
+        self.req_table.write(req.row, req.slots.numel(), new)
+        req.slots = torch.cat([req.slots, new])
+        return True
+
+    def _make_room(self, req: Req, upto: int) -> bool:
+        """Like _ensure_slots for a running request, retracting the latest arrivals while short.
+        False when `req` itself had to be retracted."""
+        while not self._ensure_slots(req, upto):
+            victim = max(self.running, key=lambda r: r.arrival_seq)
+            self._retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Give the tree what the request computed (page-aligned) and free everything else."""
+        if req.last_node is None:
+            return
+        kv, ps = req.kv_len, self.page_size
+        present = self.tree.insert(req.all_ids[:kv], req.slots[:kv], req.namespace) if kv else 0
+        taken_end = present if self.tree.disabled else kv // ps * ps
+        self.alloc.free(req.slots[req.prefix_len:max(present, req.prefix_len)])
+        self.alloc.free(req.slots[max(taken_end, req.prefix_len):])
+        self.tree.unlock(req.last_node)
+        if req.row is not None:
+            self.req_table.free(req.row)
+        req.row, req.last_node, req.slots = None, None, req.slots[:0]
+        req.kv_len = req.prefix_len = 0
+
+    def _retract(self, req: Req) -> None:
+        """Out of KV: put a running request back in the queue; it is recomputed later (its prefix
+        likely still cached) and continues with the same outputs and sampler state."""
+        logger.info("retracting %s to free KV memory", req)
+        self.running.remove(req)
+        self._release(req)
+        self.counters["retractions"] += 1
+        self.waiting.insert(0, req)
+        self.waiting.sort(key=lambda r: r.arrival_seq)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
+        for i, req in enumerate(plan.reqs):
+            req.kv_len += plan.extend_lens[i]
+            if plan.mode == "extend":
+                self.counters["prompt_tokens"] += plan.extend_lens[i]
+            token = out.next_ids[i]
+            if token is None:
+                continue
+            req.output_ids.append(token)
+            self.counters["generation_tokens"] += 1
+            logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
+            reason = self.stop_checker.check(req, self.context_length)
+            if reason is not None:
+                self.running.remove(req)
+                self._release(req)
+                self.counters["requests_finished"] += 1
+            self._emit(req, [token], reason, logprobs)
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        self._emit(req, [], reason, None)
+
+    def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
+        cached = req.cached_tokens or 0
+        meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+                "cached_tokens": cached, "cached_tokens_details": {"device": cached, "host": 0, "storage": 0}}
+        self._outputs.append(TokenOutput(req.rid, new_ids, reason, meta, logprobs))
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def pages_held(self) -> int:
+        """Device pages owned by requests (not by the tree, not free)."""
+        return sum((r.slots.numel() - r.prefix_len) // self.page_size for r in self.running)
+
+    def check_integrity(self) -> None:
+        held = [r.slots[r.prefix_len:] for r in self.running]
+        self.tree.check_integrity(torch.cat(held) if held else None)
+        assert self.req_table.num_free() + len(self.running) == self.rc.max_running_requests, "table rows leaked"
+
+    def stats(self) -> dict:
+        c = self.counters
+        device = {"used_tokens": self.alloc.capacity_tokens() - self.alloc.num_free_tokens(),
+                  "capacity_tokens": self.alloc.capacity_tokens(), "cached_tokens": self.tree.total_tokens(),
+                  "hit_tokens": c["cached_device"], "evicted_tokens": c["evicted_tokens"],
+                  "bytes_per_token": self.pool.bytes_per_token()}
+        empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
+        return {"running": len(self.running), "queued": len(self.waiting), "pages_held": self.pages_held(),
+                "page_size": self.page_size, "retractions": c["retractions"],
+                "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
+                "tiers": {"device": device, "host": dict(empty), "storage": dict(empty)},
+                "tokens": {"prompt": c["prompt_tokens"], "generation": c["generation_tokens"],
+                           "cached": {"device": c["cached_device"], "host": 0, "storage": 0}}}
