@@ -1,0 +1,24 @@
+"""`ServerConfig`: the HTTP front end's options. CLI defaults are read from here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."})
+    port: int = field(default=30000, metadata={"help": "TCP port to listen on."})
+    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on every route but /health."})
+    served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by /v1/models and expected in requests; default: the model's own name."})
+    max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
+    startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model."})
+    graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")

@@ -1,0 +1,81 @@
+"""`hicache serve`: start the scheduler process, then uvicorn; stop both on SIGTERM / Ctrl-C.
+
+Shutdown order: uvicorn stops accepting, gives in-flight requests `graceful_shutdown_timeout`
+seconds, then cancels them (their streams end and their requests are aborted); then the
+scheduler process is asked to exit, and terminated / killed if it does not. A SIGTERM while the
+model is still loading cancels the startup and stops the child as well.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from hicache.server.app import create_app
+from hicache.server.config import ServerConfig
+from hicache.server.scheduler_process import DEFAULT_FACTORY
+from hicache.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("hicache.server")
+
+
+def run(server_config: ServerConfig, runtime_config, cache_config, factory: str = DEFAULT_FACTORY) -> int:
+    """Serve until stopped; returns the process exit code."""
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(_serve(server_config, runtime_config, cache_config, factory))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str) -> int:
+    tm = TokenizerManager(runtime_config, cache_config, factory=factory)
+    _cancel_on_signals(asyncio.current_task())
+    try:
+        print(f"hicache: loading {runtime_config.model_path or 'the default model (SmolLM2-135M-Instruct)'} ...",
+              file=sys.stderr, flush=True)
+        await tm.start(server_config.startup_timeout)
+        _ignore_signals()  # from here uvicorn owns SIGINT / SIGTERM (and re-raises them after its shutdown)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(tm, server_config), host=server_config.host, port=server_config.port,
+            log_level=server_config.log_level, timeout_graceful_shutdown=server_config.graceful_shutdown_timeout,
+            access_log=server_config.log_level == "debug"))
+        announce = asyncio.create_task(_announce(server, server_config, tm))
+        await server.serve()
+        announce.cancel()
+        return 0 if server.started else 1
+    except asyncio.CancelledError:
+        print("hicache: interrupted during startup", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"hicache: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await asyncio.shield(tm.shutdown())
+
+
+async def _announce(server: uvicorn.Server, config: ServerConfig, tm: TokenizerManager) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    url = f"http://{host}:{config.port}"
+    print(f"hicache: serving {config.served_model_name or tm.info.model_name} at {url} "
+          f"(OpenAI base URL {url}/v1; stats: hicache stats --url {url})", flush=True)
+
+
+def _cancel_on_signals(task: asyncio.Task) -> None:
+    loop = asyncio.get_running_loop()
+
+    def handler(signum, _frame):
+        loop.call_soon_threadsafe(task.cancel)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)

@@ -1,0 +1,106 @@
+"""Prometheus metrics (prefix `hicache_`), on a registry of our own.
+
+Per-request figures (tokens, cached tokens by tier, TTFT / ITL / E2E) are observed in the HTTP
+process as requests finish. Scheduler-side figures (tier occupancy, evictions, queue lengths)
+come from the scheduler's `stats()` snapshot, fetched on each scrape and exposed by
+`SchedulerCollector`.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TIERS = ("device", "host", "storage")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# tier stats keys that are levels, not running totals
+_GAUGE_HINTS = ("used", "capacity", "bandwidth", "occupancy", "cached_tokens", "bytes_per_token", "enabled", "pages")
+
+
+class SchedulerCollector:
+    """Yields gauges and counters from the latest `Scheduler.stats()` dict."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def describe(self):
+        return []  # the set of series depends on the stats; don't let the registry pre-check it
+
+    def collect(self):
+        s = self.stats
+        if not s:
+            return
+        yield _gauge("hicache_num_running_reqs", "Requests in the running batch.", s.get("running", 0))
+        yield _gauge("hicache_num_queued_reqs", "Requests waiting for admission.", s.get("queued", 0))
+        yield _gauge("hicache_pages_held", "Device KV pages held by requests.", s.get("pages_held", 0))
+        yield from _scheduler_counters(s)
+        yield from _tier_families(s.get("tiers", {}))
+
+
+def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _scheduler_counters(s: dict):
+    for key in ("retractions", "requests_finished", "requests_aborted"):
+        if isinstance(s.get(key), (int, float)):
+            yield CounterMetricFamily(f"hicache_scheduler_{key}", f"Scheduler counter {key}.", value=float(s[key]))
+
+
+def _tier_families(tiers: dict):
+    keys = sorted({k for t in tiers.values() for k, v in t.items() if _is_number(v)})
+    for key in keys:
+        gauge = any(h in key for h in _GAUGE_HINTS)
+        cls = GaugeMetricFamily if gauge else CounterMetricFamily
+        fam = cls(f"hicache_tier_{key}", f"Per-tier {key.replace('_', ' ')}.", labels=["tier"])
+        for tier, values in tiers.items():
+            if _is_number(values.get(key)):
+                fam.add_metric([tier], float(values[key]))
+        yield fam
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float))  # bool included: enabled -> 0/1
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("hicache_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("hicache_generation_tokens", "Generated tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter("hicache_cached_tokens", "Prompt tokens served from a cache tier.", ["tier"], registry=r)
+        self.requests = Counter("hicache_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hicache_inter_token_latency_seconds", "Time between output tokens.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=LATENCY_BUCKETS, registry=r)
+        for tier in TIERS:
+            self.cached_tokens.labels(tier)  # a series that never moved still reads 0
+        self.scheduler = SchedulerCollector()
+        r.register(self.scheduler)
+        self._totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                        "cached_tokens": {t: 0 for t in TIERS}}
+
+    def totals(self) -> dict:
+        """Plain running totals over finished requests (for /hicache/stats)."""
+        return {**self._totals, "cached_tokens": dict(self._totals["cached_tokens"])}
+
+    def observe_finished(self, meta: dict, e2e_seconds: float, finish_type: str = "stop") -> None:
+        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        self.generation_tokens.inc(meta.get("completion_tokens", 0))
+        for tier, n in (meta.get("cached_tokens_details") or {}).items():
+            if tier in TIERS and _is_number(n):
+                self.cached_tokens.labels(tier).inc(n)
+        self.requests.labels(finish_type).inc()
+        self.e2e.observe(e2e_seconds)
+        t = self._totals
+        t["requests"] += 1
+        t["prompt_tokens"] += int(meta.get("prompt_tokens", 0))
+        t["generation_tokens"] += int(meta.get("completion_tokens", 0))
+        for tier, n in (meta.get("cached_tokens_details") or {}).items():
+            if tier in TIERS and _is_number(n):
+                t["cached_tokens"][tier] += int(n)
+
+    def render(self, stats: dict | None) -> bytes:
+        if stats is not None:
+            self.scheduler.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,218 @@
+"""SGLang-style native routes: /generate, health, server info, cache control, metrics, stats."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hicache.runtime.messages import GenerateRequest
+from hicache.server.openai_api import SSE_HEADERS, tm_of
+from hicache.server.protocol import AbortReqInput, APIError, GenerateReqInput, error_body, error_response, parse_body
+from hicache.server.serving import (
+    check_prompt,
+    check_sampling,
+    collect,
+    first_then_rest,
+    make_requests,
+    resolve_max_tokens,
+    stream_all,
+)
+from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerManager
+
+router = APIRouter()
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+# ---- /generate ------------------------------------------------------------------------------
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request):
+    body = await parse_body(request, GenerateReqInput)
+    tm = tm_of(request)
+    prompts, batched = _native_prompts(tm, body)
+    sampling = dict(body.sampling_params or {})
+    n = sampling.pop("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
+        raise APIError(400, f"n must be an integer in [1, 128], got {n!r}", param="n", code="invalid_value")
+    limits = [resolve_max_tokens(tm, len(p), sampling.get("max_new_tokens", 128), "max_new_tokens") for p in prompts]
+    check_sampling(sampling, tm.info.vocab_size)
+    if "max_new_tokens" not in sampling:
+        sampling["max_new_tokens"] = min(limits)
+    rid = body.rid or uuid.uuid4().hex
+    reqs = make_requests(tm, prompts, sampling, n, rid, body.return_logprob, body.top_logprobs_num,
+                         body.cache_salt or body.extra_key)
+    multi = batched or n > 1
+    if body.stream:
+        first, rest = await first_then_rest(stream_all(tm, reqs))
+        if first[1].error is not None:
+            await rest.aclose()
+            raise APIError(first[1].error_status, first[1].error)
+        return StreamingResponse(_native_sse(reqs, rest, multi, body.return_logprob), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    started = time.perf_counter()
+    results = await collect(tm, reqs, request)
+    out = [_native_result(r.rid, res.text, res.output_ids, res.meta, res.finish_reason, res.logprobs,
+                          body.return_logprob, time.perf_counter() - started) for r, res in zip(reqs, results)]
+    return out if multi else out[0]
+
+
+def _native_prompts(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "exactly one of text and input_ids must be given", param="text", code="invalid_value")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        try:
+            prompts = [tm.encode(t) for t in texts]
+        except ValueError as e:
+            raise APIError(400, str(e), param="text", code="invalid_value") from None
+        batched, param = not isinstance(body.text, str), "text"
+    else:
+        ids = body.input_ids
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts, param = (ids if batched else [ids]), "input_ids"
+    if not prompts:
+        raise APIError(400, f"{param}: the batch is empty", param=param, code="invalid_value")
+    for p in prompts:
+        check_prompt(tm, p, param)
+    return prompts, batched
+
+
+def _native_result(rid: str, text: str, output_ids: list[int], meta: dict, finish: dict | None,
+                   logprobs: list, return_logprob: bool, e2e: float | None = None) -> dict:
+    info = {"id": rid, "finish_reason": finish, **_meta_fields(meta)}
+    if e2e is not None:
+        info["e2e_latency"] = e2e
+    if return_logprob:
+        ids = output_ids[-len(logprobs):] if logprobs else []
+        info["output_token_logprobs"] = [[float(e[0]), int(t), None] for e, t in zip(logprobs, ids)]
+        info["output_top_logprobs"] = [[[float(b), int(a), None] for a, b in (e[1] or [])] for e in logprobs]
+    return {"text": text, "output_ids": output_ids, "meta_info": info}
+
+
+def _meta_fields(meta: dict) -> dict:
+    details = {"device": 0, "host": 0, "storage": 0, **(meta.get("cached_tokens_details") or {})}
+    return {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0),
+            "cached_tokens": meta.get("cached_tokens", 0), "cached_tokens_details": details}
+
+
+async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi: bool,
+                      return_logprob: bool) -> AsyncIterator[str]:
+    """Cumulative `text` and `output_ids` in every event (what SGLang's benchmark clients expect)."""
+    logprobs: list[list] = [[] for _ in reqs]
+    try:
+        async for i, chunk in stream:
+            if chunk.error is not None:
+                yield f"data: {json.dumps(error_body(chunk.error))}\n\n"
+                break
+            logprobs[i].extend(chunk.logprobs or [])
+            out = _native_result(reqs[i].rid, chunk.text, chunk.output_ids, chunk.meta, chunk.finish_reason,
+                                 logprobs[i], return_logprob)
+            if multi:
+                out["index"] = i
+            yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+# ---- health and info ------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request):
+    tm = tm_of(request)
+    if not tm.alive:
+        return error_response(503, tm.dead_reason or "scheduler process is not running", code="service_unavailable")
+    return {"status": "ok"}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """A one-token generation through the whole path."""
+    tm = tm_of(request)
+    req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[0],
+                          sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    try:
+        await asyncio.wait_for(collect(tm, [req], None), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return error_response(503, "generation did not finish in time", code="service_unavailable")
+    return {"status": "ok"}
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict:
+    tm = tm_of(request)
+    return {"model_path": tm.runtime_config.model_path, "model_name": tm.info.model_name,
+            "served_model_name": request.app.state.model_names[0], "context_length": tm.info.context_length,
+            "vocab_size": tm.info.vocab_size, "is_generation": True}
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict:
+    tm = tm_of(request)
+    server = {k: v for k, v in asdict(request.app.state.config).items() if k != "api_key"}
+    return {**server, **asdict(tm.runtime_config), **asdict(tm.cache_config),
+            "served_model_name": request.app.state.model_names[0], "context_length": tm.info.context_length,
+            "max_total_tokens": tm.kv_capacity, "version": request.app.version,
+            "scheduler_pid": tm.info.pid, "open_requests": tm.num_open_requests,
+            "scheduler": await _stats(tm)}
+
+
+@router.get("/hicache/stats")
+async def hicache_stats(request: Request) -> dict:
+    tm = tm_of(request)
+    stats = await _stats(tm)
+    return {**stats, "model": request.app.state.model_names[0], "uptime_s": time.time() - request.app.state.started,
+            "open_requests": tm.num_open_requests, "server": tm.metrics.totals()}
+
+
+async def _stats(tm: TokenizerManager) -> dict:
+    reply = await tm.control("stats")
+    if not reply.ok:
+        raise APIError(500, reply.error or "stats failed", code="internal_error")
+    return reply.data
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    tm = tm_of(request)
+    try:
+        stats = await _stats(tm)
+    except SchedulerUnavailable:
+        stats = None  # still serve the HTTP-side series
+    return Response(tm.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- control --------------------------------------------------------------------------------
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    reply = await tm_of(request).control("flush_cache")
+    if not reply.ok:
+        return error_response(400, reply.error or "Cache not flushed: requests are running; retry when idle.",
+                              code="requests_running")
+    return {"success": True, "message": "Cache flushed."}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    body = await parse_body(request, AbortReqInput)
+    tm = tm_of(request)
+    if body.abort_all:
+        return {"success": True, "aborted": tm.abort_all()}
+    if not body.rid:
+        raise APIError(400, "rid is required (or abort_all: true)", param="rid", code="invalid_value")
+    matched = tm.abort_prefix(body.rid)
+    if not matched:
+        return JSONResponse(error_body(f"no running request with rid {body.rid!r}", "not_found_error", "rid",
+                                       "request_not_found"), status_code=404)
+    return {"success": True, "aborted": matched}

@@ -1,0 +1,211 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from hicache.server.serving import (
+    check_prompt,
+    check_sampling,
+    collect,
+    first_then_rest,
+    make_requests,
+    resolve_max_tokens,
+    stream_all,
+    usage,
+)
+from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+
+router = APIRouter()
+OPENAI_RENAMES = {"max_new_tokens": "max_tokens"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class _Job:
+    """One OpenAI request after checking: what to send and how to shape the answer."""
+
+    kind: str  # "chat" or "text"
+    id: str
+    model: str
+    prompts: list[list[int]]
+    n: int
+    logprobs: bool
+    echo: str | list[str] | None = None
+    created: int = 0
+
+    def envelope(self, choices: list, **extra) -> dict:
+        obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
+        if extra.pop("chunk", False):
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+
+def tm_of(request: Request) -> TokenizerManager:
+    return request.app.state.tm
+
+
+def check_model(request: Request, model: str | None) -> str:
+    names = request.app.state.model_names
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist. Available: {names[0]!r}.", param="model",
+                       code="model_not_found")
+    return names[0]
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    tm = tm_of(request)
+    name = request.app.state.model_names[0]
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": request.app.state.started,
+                                        "owned_by": "hicache", "root": tm.info.model_name,
+                                        "max_model_len": tm.info.context_length}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    body = await parse_body(request, ChatCompletionRequest)
+    tm = tm_of(request)
+    model = check_model(request, body.model)
+    try:
+        ids = tm.apply_chat_template(body.template_messages())
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    check_prompt(tm, ids, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,
+               created=int(time.time()))
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    return await _run(request, tm, body, job, max_tokens, top)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    body = await parse_body(request, CompletionRequest)
+    tm = tm_of(request)
+    model = check_model(request, body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    prompts = _prompt_ids(tm, body.prompt)
+    echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
+    job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model, prompts, body.n, body.logprobs is not None,
+               echo=echo, created=int(time.time()))
+    return await _run(request, tm, body, job, body.max_tokens, body.logprobs or 0)
+
+
+def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
+    try:
+        prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in items]
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+    for p in prompts:
+        check_prompt(tm, p, "prompt")
+    return prompts
+
+
+async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_tokens: int | None, top: int):
+    sampling = body.sampling_dict()
+    limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
+    sampling["max_new_tokens"] = min(limits)
+    check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES)
+    reqs = make_requests(tm, job.prompts, sampling, job.n, job.id, job.logprobs, top, body.cache_salt)
+    if body.stream:
+        first, rest = await first_then_rest(stream_all(tm, reqs))
+        if first[1].error is not None:
+            await rest.aclose()
+            raise APIError(first[1].error_status, first[1].error)
+        events = _sse(tm, job, rest, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await collect(tm, reqs, request)
+    choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids) for i, r in enumerate(results)]
+    return job.envelope(choices, usage=usage([r.meta for r in results], [len(p) for p in job.prompts], job.n))
+
+
+# ---- response shaping -----------------------------------------------------------------------
+
+
+def finish_reason_str(reason: dict | None) -> str | None:
+    return None if reason is None else reason.get("type", "stop")
+
+
+def _final_choice(tm, job: _Job, i: int, text: str, reason, logprobs: list, output_ids: list[int]) -> dict:
+    lp = _logprobs(tm, job, output_ids[-len(logprobs):] if logprobs else [], logprobs, 0) if job.logprobs else None
+    if job.kind == "chat":
+        choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+    else:
+        text = (job.echo[i // job.n] if job.echo else "") + text
+        choice = {"index": i, "text": text, "logprobs": lp}
+    choice["finish_reason"] = finish_reason_str(reason)
+    choice["matched_stop"] = (reason or {}).get("matched")
+    return choice
+
+
+def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, text_offset: int) -> dict:
+    """OpenAI logprobs for `ids`; each entry is [logprob, [[token_id, logprob], ...]]."""
+    toks = [tm.token_str(t) for t in ids]
+    tops = [[(tm.token_str(int(a)), float(b)) for a, b in (e[1] or [])] for e in entries]
+    lps = [float(e[0]) for e in entries]
+    if job.kind == "chat":
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in top]}
+                            for t, lp, top in zip(toks, lps, tops)]}
+    offsets, pos = [], text_offset
+    for t in toks:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+
+
+async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+    n_choices = len(job.prompts) * job.n
+    metas: list[dict] = [{} for _ in range(n_choices)]
+    try:
+        for i in range(n_choices):
+            yield _event(job.envelope([_delta(job, i, "", None, None, first=True)], chunk=True))
+        async for i, chunk in stream:
+            if chunk.error is not None:
+                yield _event(error_body(chunk.error, code="service_unavailable" if chunk.error_status == 503 else None))
+                break
+            metas[i] = chunk.meta
+            if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
+                lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs else None
+                yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True))
+        else:
+            if include_usage:
+                yield _event(job.envelope([], chunk=True, usage=usage(metas, [len(p) for p in job.prompts], job.n)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = False) -> dict:
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if first else {"content": text} if text else {}
+        choice = {"index": i, "delta": delta, "logprobs": lp}
+    else:
+        if first:
+            text = job.echo[i // job.n] if job.echo else ""
+        choice = {"index": i, "text": text, "logprobs": lp}
+    choice["finish_reason"] = finish_reason_str(reason)
+    if reason is not None:
+        choice["matched_stop"] = reason.get("matched")
+    return choice
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

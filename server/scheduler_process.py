@@ -1,0 +1,174 @@
+"""The scheduler process: owns the model and the KV tiers, runs `Scheduler.step()` in a loop.
+
+Started by the HTTP process with multiprocessing's spawn method (a fresh interpreter: no
+inherited CUDA or thread state). It connects to the two ipc endpoints the HTTP process bound,
+pulls `GenerateRequest` / `AbortRequest` / `ControlRequest` and pushes `TokenOutput` batches and
+`ControlReply`s, all msgpack (see `ipc.py`). With no work it blocks in `poll` (waking once a
+second to notice a dead parent), so an idle server burns no CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict
+
+import zmq
+
+from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
+from hicache.server.ipc import (
+    ControlReply,
+    ControlRequest,
+    IpcPaths,
+    SchedulerFailed,
+    SchedulerReady,
+    pack,
+    unpack,
+)
+
+logger = logging.getLogger("hicache.scheduler")
+
+DEFAULT_FACTORY = "hicache.runtime.scheduler:Scheduler"
+IDLE_POLL_MS = 1000
+
+
+def start(paths: IpcPaths, runtime_config, cache_config, factory: str = DEFAULT_FACTORY):
+    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started)."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=main,
+        name="hicache-scheduler",
+        args=(paths, asdict(runtime_config), asdict(cache_config), factory, os.getpid()),
+        daemon=True,
+    )
+    proc.start()
+    return proc
+
+
+def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str, parent_pid: int) -> None:
+    """Process entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    inbox, outbox = _connect(ctx, paths)
+    try:
+        sched = _build(factory, runtime_kwargs, cache_kwargs)
+        outbox.send(pack([_ready(sched)]))
+        SchedulerLoop(sched, inbox, outbox, parent_pid).run()
+    except Exception as e:  # report, then die: the HTTP process turns this into 503s
+        traceback.print_exc()
+        outbox.send(pack([SchedulerFailed(error=f"{type(e).__name__}: {e}")]))
+        time.sleep(0.2)  # let the frame leave before the context is torn down
+        sys.exit(1)
+    finally:
+        inbox.close(0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+def _connect(ctx: zmq.Context, paths: IpcPaths) -> tuple[zmq.Socket, zmq.Socket]:
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(paths.to_scheduler)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(paths.from_scheduler)
+    return inbox, outbox
+
+
+def _build(factory: str, runtime_kwargs: dict, cache_kwargs: dict):
+    from hicache.config import HiCacheConfig
+    from hicache.runtime.config import RuntimeConfig
+
+    module_name, _, attr = factory.partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    return cls(RuntimeConfig(**runtime_kwargs), HiCacheConfig(**cache_kwargs))
+
+
+def _ready(sched) -> SchedulerReady:
+    mc = sched.model_config
+    return SchedulerReady(
+        model_name=str(sched.model_name),
+        context_length=int(sched.context_length),
+        vocab_size=int(mc.vocab_size),
+        eos_token_ids=[int(t) for t in (getattr(mc, "eos_token_ids", None) or [])],
+        pid=os.getpid(),
+    )
+
+
+class SchedulerLoop:
+    """Receive, step, send, until told to shut down or the parent disappears."""
+
+    def __init__(self, sched, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.sched = sched
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.running = True
+        self.pending: list[TokenOutput] = []  # outputs produced outside step() (rejections)
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.sched.has_work() or bool(self.pending)
+            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain()
+            if not self.running or os.getppid() != self.parent_pid:
+                break
+            self._step()
+
+    def _step(self) -> None:
+        outs = self.pending
+        self.pending = []
+        if self.sched.has_work():
+            outs = outs + list(self.sched.step())
+        if outs:
+            self.outbox.send(pack(outs))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msgs = unpack(frame)
+            except (ValueError, TypeError) as e:
+                logger.error("dropping a malformed frame: %s", e)
+                continue
+            for msg in msgs:
+                self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            self.sched.abort(msg.rid)
+        elif isinstance(msg, ControlRequest):
+            self.outbox.send(pack([self._control(msg)]))
+        else:
+            logger.error("unexpected message %s", type(msg).__name__)
+
+    def _add(self, req: GenerateRequest) -> None:
+        try:
+            self.sched.add_request(req)
+        except ValueError as e:
+            self.pending.append(TokenOutput(rid=req.rid, new_token_ids=[], finish_reason={"type": "abort"}, error=str(e)))
+
+    def _control(self, msg: ControlRequest) -> ControlReply:
+        try:
+            if msg.kind == "flush_cache":
+                return ControlReply(id=msg.id, ok=bool(self.sched.flush_cache()))
+            if msg.kind == "stats":
+                return ControlReply(id=msg.id, ok=True, data=self.sched.stats())
+            if msg.kind == "shutdown":
+                self.running = False
+                return ControlReply(id=msg.id, ok=True)
+            return ControlReply(id=msg.id, ok=False, error=f"unknown control kind {msg.kind!r}")
+        except Exception as e:  # a failing control call must not kill the loop
+            logger.exception("control %s failed", msg.kind)
+            return ControlReply(id=msg.id, ok=False, error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,200 @@
+"""What both APIs share: checking a request, fanning it out to the scheduler, gathering results.
+
+A request with several prompts and/or n > 1 becomes one `GenerateRequest` per (prompt, sample),
+numbered in OpenAI's order (index = prompt_index * n + sample_index). Their chunks are merged into
+one stream of `(index, Chunk)`; leaving that stream early aborts every request still running.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.sampling import SamplingParams
+from hicache.server.protocol import APIError
+from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ChoiceResult:
+    """A finished (or failed) request, accumulated from its chunks."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    finish_reason: dict | None = None
+    logprobs: list = field(default_factory=list)
+
+    def add(self, chunk: Chunk) -> None:
+        self.text, self.output_ids, self.meta = chunk.text, chunk.output_ids, chunk.meta
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.logprobs.extend(chunk.logprobs or [])
+
+
+def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | None = None) -> SamplingParams:
+    """Validate with the runtime's rules; a bad value is a 400 naming the (API's) field."""
+    try:
+        return SamplingParams.from_dict(sampling, vocab_size)
+    except ValueError as e:
+        msg = str(e)
+        param = _field_of(msg)
+        if renames and param in renames:
+            msg = msg.replace(param, renames[param], 1)
+            param = renames[param]
+        raise APIError(400, msg, param=param, code="invalid_value") from None
+
+
+def _field_of(message: str) -> str | None:
+    if message.startswith("unknown sampling parameter"):
+        return "sampling_params"
+    word = message.split(" ", 1)[0]
+    return word if word.replace("_", "").isalpha() else None
+
+
+def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
+    if not ids:
+        raise APIError(400, f"{param}: the prompt is empty", param=param, code="invalid_value")
+    vocab = tm.info.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param, code="invalid_value")
+
+
+def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, requested: int | None, param: str) -> int:
+    """The request's max new tokens; None means 'as many as fit'. Over the limit is a 400."""
+    limit = tm.token_limit
+    if requested is None:
+        requested = limit - prompt_len
+        if requested <= 0:
+            raise _too_long(tm, prompt_len, 0, param)
+    if isinstance(requested, int) and requested >= 0 and prompt_len + requested > limit:
+        raise _too_long(tm, prompt_len, requested, param)
+    return requested
+
+
+def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {tm.token_limit} tokens. However, you requested "
+                    f"{prompt_len + max_new} tokens ({prompt_len} in the prompt, {max_new} for the completion). "
+                    "Please reduce the prompt or the completion length.",
+                    param=param, code="context_length_exceeded")
+
+
+def make_requests(tm: TokenizerManager, prompts: list[list[int]], sampling: dict, n: int, base_rid: str,
+                  return_logprob: bool = False, top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
+    reqs = []
+    for p, ids in enumerate(prompts):
+        for j in range(n):
+            sp = dict(sampling, n=1)
+            if j and sp.get("seed") is not None:
+                sp["seed"] = sp["seed"] + j  # n seeded samples: distinct, yet reproducible
+            rid = base_rid if len(prompts) * n == 1 else f"{base_rid}-{p * n + j}"
+            reqs.append(GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp, return_logprob=return_logprob,
+                                        top_logprobs_num=top_logprobs, cache_salt=cache_salt or ""))
+    return reqs
+
+
+async def stream_all(tm: TokenizerManager, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, Chunk]]:
+    """Merged chunks of all `reqs`, tagged with their index."""
+    if len(reqs) == 1:  # the common case: no tasks, no extra queue
+        async for chunk in tm.generate(reqs[0]):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(tm, i, r, queue)) for i, r in enumerate(reqs)]
+    remaining = len(reqs)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()  # closes each generate(): unfinished requests are aborted
+
+
+async def _pump(tm: TokenizerManager, i: int, req: GenerateRequest, queue: asyncio.Queue) -> None:
+    try:
+        async for chunk in tm.generate(req):
+            queue.put_nowait((i, chunk))
+    except Exception as e:
+        queue.put_nowait(e)
+    # one None per request; errors count as that request's end too
+    queue.put_nowait(None)
+
+
+async def first_then_rest(agen: AsyncIterator) -> tuple[object, AsyncIterator]:
+    """Await the first item (so that errors surface before any header is sent)."""
+    first = await agen.__anext__()
+
+    async def chained():
+        try:
+            yield first
+            async for item in agen:
+                yield item
+        finally:
+            await agen.aclose()
+
+    return first, chained()
+
+
+async def collect(tm: TokenizerManager, reqs: list[GenerateRequest], request: Request | None) -> list[ChoiceResult]:
+    """Run `reqs` to completion; abort them all if the client goes away first."""
+    results = [ChoiceResult() for _ in reqs]
+    task = asyncio.create_task(_gather(tm, reqs, results))
+    watcher = asyncio.create_task(_wait_disconnect(request)) if request is not None else None
+    try:
+        done, _ = await asyncio.wait([t for t in (task, watcher) if t], return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            raise APIError(499, "client disconnected", code="client_disconnected")
+        return task.result()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        task.cancel()
+
+
+async def _gather(tm: TokenizerManager, reqs: list[GenerateRequest], results: list[ChoiceResult]) -> list[ChoiceResult]:
+    stream = stream_all(tm, reqs)
+    try:
+        async for i, chunk in stream:
+            raise_for_error(chunk)
+            results[i].add(chunk)
+    finally:
+        await stream.aclose()
+    return results
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def raise_for_error(chunk: Chunk) -> None:
+    if chunk.error is not None:
+        code = "service_unavailable" if chunk.error_status == 503 else "invalid_value"
+        raise APIError(chunk.error_status, chunk.error, code=code)
+
+
+def usage(results_meta: list[dict], prompt_lens: list[int], n: int) -> dict:
+    """OpenAI usage: each prompt counted once, completions summed, cached tokens per tier."""
+    prompt = sum(prompt_lens)
+    completion = sum(m.get("completion_tokens", 0) for m in results_meta)
+    per_prompt = results_meta[::n] if n > 0 else results_meta
+    details = {"device": 0, "host": 0, "storage": 0}
+    for m in per_prompt:
+        for tier, v in (m.get("cached_tokens_details") or {}).items():
+            if isinstance(v, (int, float)) and tier in details:
+                details[tier] += int(v)
+    cached = sum(int(m.get("cached_tokens", 0) or 0) for m in per_prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "cached_tokens_details": details}}

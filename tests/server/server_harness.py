@@ -1,0 +1,106 @@
+"""A real `hicache serve` process on 127.0.0.1 and a free port, on the default model.
+
+`start_server(*flags)` launches `python -m hicache.server.cli serve`, waits for /health and
+returns a `ServerHandle`; `handle.stop()` sends SIGTERM and checks that both the server and its
+scheduler process are gone.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+LIGHT_FLAGS = ("--max-total-tokens", "8192", "--context-length", "4096", "--page-size", "16",
+               "--max-running-requests", "32", "--chunked-prefill-size", "512")
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    api_key: str | None = None
+    scheduler_pid: int | None = None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait, and check that no process of the server is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server ignored SIGTERM for {timeout} s\n{self.log_tail()}")
+        if self.scheduler_pid is not None:
+            deadline = time.monotonic() + 10
+            while pid_alive(self.scheduler_pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not pid_alive(self.scheduler_pid), "the scheduler process outlived the server"
+        return code
+
+
+def start_server(*flags: str, api_key: str | None = None) -> ServerHandle:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="hicache-server-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "hicache.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log, api_key)
+    _wait_healthy(handle)
+    info = httpx.get(handle.url + "/get_server_info", headers=handle.headers, timeout=30).json()
+    handle.scheduler_pid = info["scheduler_pid"]
+    return handle
+
+
+def _wait_healthy(h: ServerHandle) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if h.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {h.proc.returncode} during startup\n{h.log_tail()}")
+        try:
+            if httpx.get(h.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    h.proc.kill()
+    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s\n{h.log_tail()}")
+
+
