@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hicache.runtime.messages import GenerateRequest
-from hicache.server.openai_api import SSE_HEADERS, tm_of
+from hicache.server.openai_api import SSE_HEADERS, stream_error, tm_of
 from hicache.server.protocol import AbortReqInput, APIError, GenerateReqInput, error_body, error_response, parse_body
 from hicache.server.serving import (
     check_prompt,
@@ -110,7 +110,7 @@ async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi:
     try:
         async for i, chunk in stream:
             if chunk.error is not None:
-                yield f"data: {json.dumps(error_body(chunk.error))}\n\n"
+                yield f"data: {json.dumps(stream_error(chunk))}\n\n"
                 break
             logprobs[i].extend(chunk.logprobs or [])
             out = _native_result(reqs[i].rid, chunk.text, chunk.output_ids, chunk.meta, chunk.finish_reason,

@@ -179,7 +179,7 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
             yield _event(job.envelope([_delta(job, i, "", None, None, first=True)], chunk=True))
         async for i, chunk in stream:
             if chunk.error is not None:
-                yield _event(error_body(chunk.error, code="service_unavailable" if chunk.error_status == 503 else None))
+                yield _event(stream_error(chunk))
                 break
             metas[i] = chunk.meta
             if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
@@ -205,6 +205,13 @@ def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = 
     if reason is not None:
         choice["matched_stop"] = reason.get("matched")
     return choice
+
+
+def stream_error(chunk: Chunk) -> dict:
+    """The error event that ends a stream whose request failed after the headers were sent."""
+    if chunk.error_status == 503:
+        return error_body(chunk.error, "service_unavailable", None, "service_unavailable")
+    return error_body(chunk.error, code="request_failed")
 
 
 def _event(obj: dict) -> str:

@@ -66,10 +66,17 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = ".".join(loc) or None
+    if len({tuple(str(x) for x in e.get("loc", ())[:1]) for e in errors}) == 1 and len(errors) > 1:
+        return f"{param or 'body'}: none of the accepted types matches ({first.get('msg')})", param
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {first.get('msg')}{more}", param
+
+
+def _is_union_tag(x) -> bool:
+    """pydantic names the union member in an error's loc (`str`, `list[int]`): not a field."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool") or "[" in x)
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ class TokenizerManager:
 
     async def shutdown(self) -> None:
         """Fail what is still open, stop the scheduler process (no orphan), close sockets."""
-        self._mark_dead("server shutting down")
+        self._mark_dead("server shutting down", logging.INFO)
         for t in self._tasks:
             t.cancel()
         if self.proc is not None and self.proc.is_alive():
@@ -266,10 +266,10 @@ class TokenizerManager:
             if not self.proc.is_alive():
                 self._mark_dead(f"scheduler process exited with code {self.proc.exitcode}")
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, reason: str, level: int = logging.ERROR) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
-            logger.error("%s", reason)
+            logger.log(level, "%s", reason)
         for rid, state in list(self._states.items()):
             state.queue.put_nowait(TokenOutput(rid=rid, new_token_ids=[], finish_reason={"type": "abort"}, error=_DEAD))
         for fut in self._control_waiters.values():

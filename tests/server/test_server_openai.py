@@ -49,9 +49,11 @@ def test_completions(client, model):
 
 
 def test_completions_batch_of_prompts_and_token_ids(client, model):
-    r = client.completions.create(model=model, prompt=["One, two,", [504, 3458, 314]], max_tokens=3, temperature=0)
+    r = client.completions.create(model=model, prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == 6
+    ids = client.completions.create(model=model, prompt=[[504, 3458, 314], [504, 3458]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
 
 
 def test_chat_stream_with_usage(client, model):

@@ -1,0 +1,111 @@
+"""API key, a dead scheduler process, and SIGTERM with requests in flight (each on its own server)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_harness import LIGHT_FLAGS, pid_alive, start_server
+
+pytestmark = pytest.mark.slow
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    handle = start_server(*LIGHT_FLAGS, api_key=KEY)
+    try:
+        yield handle
+    finally:
+        if handle.proc.poll() is None:
+            handle.stop()
+
+
+def test_api_key_enforced_on_every_route_but_health(keyed_server):
+    url = keyed_server.url
+    assert httpx.get(url + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/hicache/stats"),
+                         ("GET", "/get_server_info"), ("POST", "/generate"), ("POST", "/flush_cache"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/health_generate")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, url + path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    ok = httpx.get(url + "/v1/models", headers=keyed_server.headers)
+    assert ok.status_code == 200
+
+
+def test_openai_client_with_key(keyed_server):
+    good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    r = good.completions.create(model=good.models.list().data[0].id, prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_stats_cli_needs_the_key(keyed_server):
+    from test_server_native import run_cli
+
+    assert run_cli("--url", keyed_server.url).returncode == 1
+    out = run_cli("--url", keyed_server.url, "--api-key", KEY)
+    assert out.returncode == 0 and "device" in out.stdout
+
+
+def test_sigterm_with_streams_in_flight_leaves_no_process(keyed_server):
+    """SIGTERM while clients stream: the server finishes or fails them, exits, and takes the
+    scheduler process with it."""
+    ended = []
+
+    def client():
+        try:
+            with httpx.stream("POST", keyed_server.url + "/generate", headers=keyed_server.headers, timeout=120,
+                              json={"text": "Tell a long story", "stream": True,
+                                    "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
+                for _ in r.iter_lines():
+                    pass
+            ended.append("closed")
+        except httpx.HTTPError as e:
+            ended.append(type(e).__name__)
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    t0 = time.monotonic()
+    code = keyed_server.stop(timeout=60)  # asserts the scheduler process is gone too
+    assert time.monotonic() - t0 < 60 and code == 0
+    for t in threads:
+        t.join(30)
+    assert len(ended) == 3  # every client got an end (no hang)
+
+
+def test_dead_scheduler_gives_503_not_a_hang():
+    handle = start_server(*LIGHT_FLAGS)
+    try:
+        with httpx.stream("POST", handle.url + "/generate", timeout=30, json={
+                "text": "Tell a long story", "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            os.kill(handle.scheduler_pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"service_unavailable"' in rest[-2]
+        deadline = time.monotonic() + 15
+        while httpx.get(handle.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "health still OK after the scheduler died"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        r = httpx.post(handle.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.post(handle.url + "/generate", json={"text": "hi"}, timeout=30).status_code == 503
+        assert httpx.get(handle.url + "/hicache/stats", timeout=30).status_code == 503
+        assert time.monotonic() - t0 < 10
+    finally:
+        handle.stop()
+    assert not pid_alive(handle.proc.pid)
