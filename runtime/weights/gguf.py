@@ -1,14 +1,21 @@
 """GGUF weights (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named fp32 tensors.
 
-Dequantised with `gguf.quants.dequantize`. llama.cpp's converter permutes the rows of q and k
+`GGUFFile` parses the header itself: `gguf.GGUFReader` builds a numpy view for every element of
+the tokenizer's string arrays and spends ~3 s on SmolLM2's 98k strings; we only need the scalars
+and tensor offsets (~0.1 s). Tensors are memory-mapped and dequantised with
+`gguf.quants.dequantize`; constants come from the `gguf` package. llama.cpp's converter permutes the rows of q and k
 weights for its interleaved RoPE; `_unpermute` undoes it exactly as transformers' GGUF loader
 does (`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF.
 """
 from __future__ import annotations
 
+import os
 import re
+import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -34,16 +41,15 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_PREFETCH = 8  # tensors dequantised ahead of the consumer
 
 
 class GGUFCheckpoint:
     """An opened .gguf file: `config`, `num_tensors`, and `tensors()` yielding (hf_name, tensor)."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
+        self.reader = GGUFFile(self.path)
         self.config = gguf_config(self.reader, name=self.path.stem)
 
     @property
@@ -51,22 +57,31 @@ class GGUFCheckpoint:
         return sum(1 for t in self.reader.tensors if hf_name(t.name) is not None)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantised in a few threads (numpy releases the GIL), at most `_PREFETCH` ahead so
+        that memory stays bounded for large files; yielded in file order."""
+        todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name)) is not None]
+        workers = max(1, min(4, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            pending: deque = deque()
+            for item in todo:
+                pending.append(pool.submit(self._tensor, *item))
+                if len(pending) > _PREFETCH:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+    def _tensor(self, name: str, t: GGUFTensorInfo) -> tuple[str, torch.Tensor]:
         from gguf import dequantize
 
-        c = self.config
-        for t in self.reader.tensors:
-            name = hf_name(t.name)
-            if name is None:
-                continue
-            arr = dequantize(t.data, t.tensor_type)
-            if not arr.flags.writeable or not arr.flags.c_contiguous:
-                arr = np.array(arr)  # a read-only view into the memory map
-            w = torch.from_numpy(arr)
-            if name.endswith("q_proj.weight"):
-                w = _unpermute(w, c.num_heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute(w, c.num_kv_heads)
-            yield name, w
+        arr = dequantize(t.data, t.tensor_type)
+        if not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr)  # a read-only view into the memory map
+        w = torch.from_numpy(arr)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, self.config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, self.config.num_kv_heads)
+        return name, w
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -85,7 +100,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape).contiguous()
 
 
-def gguf_config(reader: Any, name: str) -> ModelConfig:
+def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     """ModelConfig from GGUF metadata (keys as transformers' GGUF_CONFIG_MAPPING reads them)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
@@ -120,10 +135,12 @@ def gguf_config(reader: Any, name: str) -> ModelConfig:
     return ModelConfig.from_hf_config(d, name=name)
 
 
-def _rope_scaling(reader: Any, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3.1's llama3 scaling, as per-dim divisors
-            return {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(t.data, dtype=np.float32).ravel()]}
+            from gguf import dequantize
+
+            return {"rope_type": "freq_factors", "factors": [float(x) for x in dequantize(t.data, t.tensor_type).ravel()]}
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -132,11 +149,93 @@ def _rope_scaling(reader: Any, arch: str) -> dict | None:
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    if isinstance(v, np.generic):
-        v = v.item()
-    return v
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
+
+
+# ---- a minimal GGUF (v2, v3, little-endian) header reader -------------------------------------
+
+class GGUFTensorInfo(NamedTuple):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order (slowest first): reversed ggml ne
+    data: np.ndarray  # uint8 [..., bytes per row], a read-only view of the memory map
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFile:
+    """`fields`: metadata key -> Python value (str, int, float, bool, list); `tensors`: list of
+    GGUFTensorInfo in file order. Raises ValueError for a file that is not GGUF v2/v3."""
+
+    def __init__(self, path: str | Path):
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUF_DEFAULT_ALIGNMENT
+
+        self.path = Path(path)
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._buf = memoryview(self._mm)
+        if bytes(self._buf[:4]) != b"GGUF":
+            raise ValueError(f"{self.path} is not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3; big-endian files neither)")
+        self._off = 24
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.fields[key] = self._value(self._u32())
+        infos = [self._tensor_info() for _ in range(n_tensors)]
+        align = int(self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        start = -(-self._off // align) * align
+        self.tensors = []
+        for name, ne, ttype, offset in infos:
+            qtype = GGMLQuantizationType(ttype)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            row_bytes = ne[0] // block * type_size
+            rows = int(np.prod(ne[1:], dtype=np.int64)) if len(ne) > 1 else 1
+            data = self._mm[start + offset: start + offset + rows * row_bytes]
+            shape = tuple(reversed(ne))
+            self.tensors.append(GGUFTensorInfo(name, qtype, shape, data.reshape(*shape[:-1], row_bytes)))
+
+    def _u32(self) -> int:
+        (v,) = struct.unpack_from("<I", self._buf, self._off)
+        self._off += 4
+        return v
+
+    def _u64(self) -> int:
+        (v,) = struct.unpack_from("<Q", self._buf, self._off)
+        self._off += 8
+        return v
+
+    def _string(self) -> str:
+        n = self._u64()
+        s = bytes(self._buf[self._off:self._off + n]).decode("utf-8", errors="replace")
+        self._off += n
+        return s
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype, count = self._u32(), self._u64()
+            if etype in _NP_SCALARS:  # numbers: one frombuffer, no per-element work
+                arr = np.frombuffer(self._buf, dtype=_NP_SCALARS[etype], count=count, offset=self._off)
+                self._off += arr.nbytes
+                return arr.tolist()
+            return [self._value(etype) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
+        (v,) = struct.unpack_from(_SCALARS[vtype], self._buf, self._off)
+        self._off += struct.calcsize(_SCALARS[vtype])
+        return v
+
+    def _tensor_info(self) -> tuple[str, list[int], int, int]:
+        name = self._string()
+        n_dims = self._u32()
+        ne = list(struct.unpack_from(f"<{n_dims}Q", self._buf, self._off))
+        self._off += 8 * n_dims
+        ttype, offset = self._u32(), self._u64()
+        return name, ne, ttype, offset

@@ -136,3 +136,30 @@ def test_missing_tensor_is_an_error(tmp_path, tiny_config_path):
     save_file({"model.embed_tokens.weight": torch.zeros(512, 64)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks"):
         load_model(tmp_path)
+
+
+@pytest.mark.slow
+def test_gguf_header_reader_matches_gguf_package(default_model_path):
+    """Our fast header parser agrees with gguf.GGUFReader on every field and tensor layout."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    from hicache.runtime.weights.gguf import GGUFFile
+
+    ours, ref = GGUFFile(default_model_path), GGUFReader(str(default_model_path))
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        assert ours.fields[key] == (value.item() if isinstance(value, np.generic) else value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in list(zip(ours.tensors, ref.tensors))[:12]:
+        assert a.tensor_type == b.tensor_type
+        assert np.array_equal(dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type)), a.name
+
+
+def test_gguf_rejects_non_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a GGUF"):
+        load_model(bad)
