@@ -106,10 +106,10 @@ class RadixTree:
 
         Splits the last matched node when the match ends inside it, so `last_node` covers
         exactly the matched prefix; refreshes `last_access` on the path. The result is not
-        locked: call `lock(last_node)` before anything may evict.
+        locked: call `lock(last_node)` before anything may evict. Matching in a namespace
+        that holds nothing returns a fresh root that is not kept (matching never grows the tree).
         """
         tokens = _as_tokens(token_ids)
-        # An unknown namespace gets a transient root: matching alone never grows the tree.
         root = self._roots.get(namespace) or TreeNode(namespace=namespace)
         if self.disabled:
             return MatchResult(_empty_slots(), root)
@@ -135,6 +135,8 @@ class RadixTree:
         if self.disabled:
             return 0
         aligned = len(tokens) // self.page_size * self.page_size
+        if aligned == 0:
+            return 0
         now = next(self._clock)
         node, pos = self.root_of(namespace), 0
         for node in self._walk_prefix(node, tokens):

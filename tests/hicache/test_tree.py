@@ -288,3 +288,17 @@ def test_check_integrity_catches_leaks_and_double_ownership():
     node.lock_ref = 1
     with pytest.raises(AssertionError, match="lock_ref"):
         tree.check_integrity()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_match_diverging_at_every_page_and_offset(ps):
+    """One long node; queries that leave it at every page and every offset inside a page."""
+    alloc, tree = make(ps, 32)
+    a = [p // ps % 7 + 1 for p in range(10 * ps)]  # 10 pages, one node
+    _, slots = insert_new(tree, alloc, a)
+    for at in range(len(a) + 1):
+        query = a[:at] + [0] * (2 * ps)  # token 0 never occurs in a
+        expect = at // ps * ps
+        assert torch.equal(tree.match(query).device_slots, slots[:expect]), at
+        tree.check_integrity()
+    assert torch.equal(tree.match(a).device_slots, slots)
