@@ -206,10 +206,19 @@ class Engine:
                     if out.finish_reason is not None:
                         self._listeners.pop(out.rid, None)
                     if cb is not None:
-                        cb(out)
+                        self._deliver(cb, out)
         except BaseException as e:  # surfaced to every caller by _raise_if_dead
             logger.exception("scheduler loop failed")
             self._error = e
+
+    def _deliver(self, cb: Callable[[TokenOutput], None], out: TokenOutput) -> None:
+        """A caller that went away (closed event loop, dead consumer) costs its request, never the loop."""
+        try:
+            cb(out)
+        except Exception as e:
+            logger.warning("dropping output of %s: its consumer failed (%s); aborting it", out.rid, e)
+            self._listeners.pop(out.rid, None)
+            self.scheduler.abort(out.rid)
 
     def _drain(self, block: bool) -> None:
         try:

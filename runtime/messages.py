@@ -46,7 +46,8 @@ def expand_n(msg: GenerateRequest) -> list[GenerateRequest]:
     """Fan a request with sampling n > 1 out into n requests `{rid}-{i}`. With a seed, copy i
     uses seed + i, so the n outputs differ yet the whole set is reproducible."""
     params = dict(msg.sampling_params or {})
-    n = params.pop("n", None) or 1
+    n = params.pop("n", None)
+    n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
     if n == 1:
