@@ -47,7 +47,7 @@ async def generate(request: Request):
     if "max_new_tokens" not in sampling:
         sampling["max_new_tokens"] = min(limits)
     rid = body.rid or uuid.uuid4().hex
-    reqs = make_requests(tm, prompts, sampling, n, rid, body.return_logprob, body.top_logprobs_num,
+    reqs = make_requests(prompts, sampling, n, rid, body.return_logprob, body.top_logprobs_num,
                          body.cache_salt or body.extra_key)
     multi = batched or n > 1
     if body.stream:

@@ -123,7 +123,7 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
     check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES)
-    reqs = make_requests(tm, job.prompts, sampling, job.n, job.id, job.logprobs, top, body.cache_salt)
+    reqs = make_requests(job.prompts, sampling, job.n, job.id, job.logprobs, top, body.cache_salt)
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:

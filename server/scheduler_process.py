@@ -54,6 +54,7 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
     """Process entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    _set_cpu_threads()
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, paths)
     try:
@@ -69,6 +70,17 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
         inbox.close(0)
         outbox.close(linger=1000)
         ctx.term()
+
+
+def _set_cpu_threads() -> None:
+    """Leave one core to the HTTP process (tokenizing, detokenizing, SSE). With every core in
+    torch's intra-op pool the two processes oversubscribe the CPU, and an OpenMP team whose
+    threads get descheduled runs several times slower than one thread. OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
 
 def _connect(ctx: zmq.Context, paths: IpcPaths) -> tuple[zmq.Socket, zmq.Socket]:

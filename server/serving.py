@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.messages import GenerateRequest, expand_n
 from hicache.runtime.sampling import SamplingParams
 from hicache.server.protocol import APIError
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
@@ -84,17 +84,16 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
                     param=param, code="context_length_exceeded")
 
 
-def make_requests(tm: TokenizerManager, prompts: list[list[int]], sampling: dict, n: int, base_rid: str,
+def make_requests(prompts: list[list[int]], sampling: dict, n: int, base_rid: str,
                   return_logprob: bool = False, top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
+    """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
+    n > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
     reqs = []
     for p, ids in enumerate(prompts):
-        for j in range(n):
-            sp = dict(sampling, n=1)
-            if j and sp.get("seed") is not None:
-                sp["seed"] = sp["seed"] + j  # n seeded samples: distinct, yet reproducible
-            rid = base_rid if len(prompts) * n == 1 else f"{base_rid}-{p * n + j}"
-            reqs.append(GenerateRequest(rid=rid, input_ids=ids, sampling_params=sp, return_logprob=return_logprob,
-                                        top_logprobs_num=top_logprobs, cache_salt=cache_salt or ""))
+        rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
+        base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=dict(sampling, n=n), return_logprob=return_logprob,
+                               top_logprobs_num=top_logprobs, cache_salt=cache_salt or "")
+        reqs.extend(expand_n(base))
     return reqs
 
 
