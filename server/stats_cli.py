@@ -6,6 +6,7 @@ import sys
 import time
 
 import httpx
+from rich.columns import Columns
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -40,9 +41,12 @@ def run(url: str, watch: float | None, as_json: bool, api_key: str | None) -> in
     try:
         if as_json:
             return _run_json(url, watch, api_key)
-        if not watch:
-            console.print(render(fetch(url, api_key), url))
-            return 0
+        if not watch or not console.is_terminal:  # piped: one table per refresh, like `watch`
+            while True:
+                console.print(render(fetch(url, api_key), url))
+                if not watch:
+                    return 0
+                time.sleep(watch)
         with Live(render(fetch(url, api_key), url), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
@@ -75,47 +79,76 @@ def hit_rates(stats: dict) -> dict[str, float | None]:
 
 
 def render(stats: dict, url: str = "") -> Group:
-    return Group(_summary(stats, url), _tier_table(stats))
+    rates = hit_rates(stats)
+    tiers = stats.get("tiers") or {}
+    tables = [_tier_table(name, tiers.get(name) or {}, rates[name]) for name in TIERS]
+    return Group(_summary(stats, url), Columns(tables, padding=(0, 2)))
 
 
 def _summary(stats: dict, url: str) -> Table:
     server = stats.get("server") or {}
+    tokens = stats.get("tokens") or {}
     t = Table.grid(padding=(0, 2))
     t.add_row("[bold]hicache[/bold]", url, f"model {stats.get('model', '?')}", f"up {_duration(stats.get('uptime_s'))}")
     t.add_row("requests", f"running {stats.get('running', 0)}", f"queued {stats.get('queued', 0)}",
               f"pages held {stats.get('pages_held', 0)} (page size {stats.get('page_size', '?')})")
-    t.add_row("tokens", f"prompt {_num(server.get('prompt_tokens', (stats.get('tokens') or {}).get('prompt')))}",
-              f"generated {_num(server.get('generation_tokens', (stats.get('tokens') or {}).get('generation')))}",
+    t.add_row("tokens", f"prompt {_num(server.get('prompt_tokens', tokens.get('prompt')))}",
+              f"generated {_num(server.get('generation_tokens', tokens.get('generation')))}",
               f"finished requests {_num(server.get('requests'))}")
     return t
 
 
-def _tier_table(stats: dict) -> Table:
-    table = Table(title="KV cache tiers", title_justify="left")
-    for col in ("tier", "hit rate", "hit tokens", "used / capacity (tokens)", "occupancy", "size", "in cache",
-                "moved", "evicted tokens"):
-        table.add_column(col, justify="left" if col in ("tier", "moved") else "right")
-    rates = hit_rates(stats)
-    tiers = stats.get("tiers") or {}
-    for name in TIERS:
-        table.add_row(*_tier_row(name, tiers.get(name) or {}, rates[name]))
+def _tier_table(name: str, tier: dict, rate: float | None) -> Table:
+    """One tier: hit rate, occupancy, traffic, evictions, then whatever else the tier reports."""
+    table = Table(title=f"[bold]{name}[/bold]", show_header=False, min_width=34)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    if tier.get("enabled") is False or not tier:
+        table.add_row("status", "disabled")
+        return table
+    for label, value in _tier_rows(tier, rate):
+        table.add_row(label, value)
     return table
 
 
-def _tier_row(name: str, tier: dict, rate: float | None) -> list[str]:
-    if tier.get("enabled") is False or not tier:
-        return [name, "-", "-", "disabled", "-", "-", "-", "-", "-"]
+def _tier_rows(tier: dict, rate: float | None) -> list[tuple[str, str]]:
     used, cap = tier.get("used_tokens", 0), tier.get("capacity_tokens", 0)
-    occupancy = f"{100 * used / cap:.1f}%" if cap else "-"
-    size = _bytes(cap * tier["bytes_per_token"]) if tier.get("bytes_per_token") and cap else "-"
-    moved = ", ".join(f"{k} {_fmt_value(k, v)}" for k, v in sorted(tier.items())
-                      if k not in _SHOWN and isinstance(v, (int, float)) and not isinstance(v, bool)) or "-"
-    return [name, "-" if rate is None else f"{100 * rate:.1f}%", _num(tier.get("hit_tokens")),
-            f"{_num(used)} / {_num(cap)}", occupancy, size, _num(tier.get("cached_tokens")), moved,
-            _num(tier.get("evicted_tokens"))]
+    per_token = tier.get("bytes_per_token")
+    rows = [("hit rate", "-" if rate is None else f"{100 * rate:.1f}%"),
+            ("hit tokens", _num(tier.get("hit_tokens"))),
+            ("used / capacity", f"{_num(used)} / {_num(cap)} tok"),
+            ("occupancy", f"{100 * used / cap:.1f}%" if cap else "-"),
+            ("capacity", _bytes(cap * per_token) if per_token and cap else "-"),
+            ("cached in tree", _num(tier.get("cached_tokens"))),
+            ("evicted", f"{_num(tier.get('evicted_tokens'))} tok")]
+    rows += _traffic_rows(tier)
+    shown = _SHOWN | {k for pair in _TRAFFIC for k in pair[1:]}
+    rows += [(k.replace("_", " "), _fmt_value(k, v)) for k, v in sorted(tier.items()) if k not in shown]
+    return rows
 
 
-def _fmt_value(key: str, v: float) -> str:
+# (label, tokens key, bytes key, seconds key): data moved into / out of the tier
+_TRAFFIC = (("loaded back", "loaded_back_tokens", "loaded_back_bytes", "load_back_seconds"),
+            ("backed up", "backed_up_tokens", "backed_up_bytes", "backup_seconds"),
+            ("prefetched", "prefetched_tokens", "prefetched_bytes", "prefetch_seconds"))
+
+
+def _traffic_rows(tier: dict) -> list[tuple[str, str]]:
+    rows = []
+    for label, tok_key, byte_key, sec_key in _TRAFFIC:
+        if tok_key not in tier and byte_key not in tier:
+            continue
+        value = f"{_num(tier.get(tok_key))} tok, {_bytes(tier.get(byte_key) or 0)}"
+        seconds = tier.get(sec_key) or 0
+        if seconds > 0 and tier.get(byte_key):
+            value += f" @ {tier[byte_key] / seconds / 1e9:.2f} GB/s"
+        rows.append((label, value))
+    return rows
+
+
+def _fmt_value(key: str, v) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
     if key.endswith("bytes"):
         return _bytes(v)
     return _num(v)

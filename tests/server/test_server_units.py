@@ -194,7 +194,8 @@ def test_bad_flag_values_are_rejected(capsys):
 
 STATS = {"running": 1, "queued": 2, "pages_held": 3, "page_size": 16, "retractions": 0,
          "tiers": {"device": {"used_tokens": 100, "capacity_tokens": 1000, "hit_tokens": 40, "evicted_tokens": 5,
-                              "bytes_per_token": 1024, "loaded_back_bytes": 2048},
+                              "bytes_per_token": 1024, "loaded_back_bytes": 2048, "in_flight": 1,
+                              "write_policy": "write_through"},
                    "host": {"used_tokens": 0, "capacity_tokens": 0, "enabled": False},
                    "storage": {"used_tokens": 0, "capacity_tokens": 0, "enabled": False}},
          "tokens": {"prompt": 60, "generation": 10, "cached": {"device": 40, "host": 0, "storage": 0}},
@@ -216,6 +217,7 @@ def test_metrics_render_scheduler_and_request_series():
     assert samples[("hicache_tier_evicted_tokens_total", (("tier", "device"),))] == 5
     assert families["hicache_tier_used_tokens"].type == "gauge"
     assert families["hicache_tier_loaded_back_bytes"].type == "counter"
+    assert families["hicache_tier_in_flight"].type == "gauge"
 
 
 def test_stats_hit_rates_and_table():
@@ -227,5 +229,5 @@ def test_stats_hit_rates_and_table():
     console = Console(width=160, record=True)
     console.print(stats_cli.render(STATS, "http://x"))
     text = console.export_text()
-    for word in ("device", "host", "storage", "40.0%", "10.0%", "disabled", "loaded_back_bytes 2.0 KiB"):
+    for word in ("device", "host", "storage", "40.0%", "10.0%", "disabled", "loaded back", "2.0 KiB", "1000.0 KiB"):
         assert word in text, word
