@@ -94,6 +94,8 @@ class TokenizerManager:
         self.info = await self._wait_ready(timeout)
         self.tokenizer = await tok_task
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
+        for t in self._tasks:
+            t.add_done_callback(self._task_ended)
         stats = (await self.control("stats")).data or {}
         self.kv_capacity = int(stats.get("tiers", {}).get("device", {}).get("capacity_tokens") or 0)
 
@@ -122,8 +124,9 @@ class TokenizerManager:
         for t in self._tasks:
             t.cancel()
         if self.proc is not None and self.proc.is_alive():
-            self._send([ControlRequest(id="shutdown", kind="shutdown")])
-            await asyncio.to_thread(self.proc.join, 5)
+            if self.info is not None:  # loaded: its loop can exit cleanly; while loading it can't listen
+                self._send([ControlRequest(id="shutdown", kind="shutdown")])
+                await asyncio.to_thread(self.proc.join, 5)
             if self.proc.is_alive():
                 self.proc.terminate()
                 await asyncio.to_thread(self.proc.join, 5)
@@ -236,6 +239,12 @@ class TokenizerManager:
             state.last_token = now
         if finished and chunk.error is None:
             self.metrics.observe_finished(chunk.meta, now - state.created, chunk.finish_reason.get("type", "stop"))
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """The receive loop or the watchdog must not die quietly: streams would hang."""
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("internal task failed", exc_info=task.exception())
+            self._mark_dead(f"internal error: {type(task.exception()).__name__}: {task.exception()}")
 
     async def _recv_loop(self) -> None:
         while True:

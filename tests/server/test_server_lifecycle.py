@@ -109,3 +109,37 @@ def test_dead_scheduler_gives_503_not_a_hang():
     finally:
         handle.stop()
     assert not pid_alive(handle.proc.pid)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().split(") ", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def test_sigterm_while_loading_stops_the_scheduler_too():
+    import subprocess
+    import sys
+
+    from server_harness import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.server.cli", "serve", "--port", str(free_port()),
+                             *LIGHT_FLAGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    kids: list[int] = []
+    while not kids and time.monotonic() < deadline:  # the scheduler process (and multiprocessing's tracker)
+        time.sleep(0.2)
+        kids = _children(proc.pid)
+    assert kids, "no scheduler process appeared"
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) != 0
+    time.sleep(0.5)
+    assert not [k for k in kids if pid_alive(k)], "a child outlived the server"
