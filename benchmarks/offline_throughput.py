@@ -82,8 +82,8 @@ def main() -> None:
     path = default_model_path()
     engine = Engine(str(path), max_total_tokens=80_000)
     prompts = make_prompts(engine.tokenizer, args.num_prompts, args.seed)
-    prefix = make_prompts(engine.tokenizer, 1, args.seed + 1)[0]
-    prefix = (prefix * 2)[: args.prefix_tokens]
+    corpus = corpus_ids(engine.tokenizer)
+    prefix = corpus[-args.prefix_tokens:]
     shared = [prefix + p for p in prompts]
     n_prompt, n_out = sum(map(len, prompts)), args.num_prompts * args.new_tokens
     print(f"threads={torch.get_num_threads()}  prompts={args.num_prompts}  prompt tokens={n_prompt}  "
@@ -97,6 +97,7 @@ def main() -> None:
     run_engine(engine, [prefix + [1]], 1)  # the shared prefix is computed once, as a server would have
     rows["prefix_cache_on"] = run_engine(engine, shared, args.new_tokens)
     engine.shutdown()
+    del engine  # free its KV pool before the next engine allocates one
     off = Engine(str(path), max_total_tokens=80_000, disable_radix_cache=True)
     rows["prefix_cache_off"] = run_engine(off, shared, args.new_tokens)
     off.shutdown()

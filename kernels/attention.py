@@ -18,8 +18,8 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
         raise ValueError(f"loc must be [T] int64 with T={k.shape[0]}, got {tuple(loc.shape)} {loc.dtype}")
     if k.shape != v.shape or k.shape[1:] != k_buffer.shape[1:]:
         raise ValueError(f"k/v shape {tuple(k.shape)}/{tuple(v.shape)} does not fit the pool {tuple(k_buffer.shape)}")
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
 def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor) -> None:
@@ -48,8 +48,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         if n > total:
             raise ValueError(f"extend length {n} exceeds sequence length {total}")
         qi = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
-        ki = k_buffer[slots].transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
-        vi = v_buffer[slots].transpose(0, 1).to(q.dtype)
+        ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
+        vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)
         rows = torch.arange(total - n, total, device=q.device)[:, None]
         mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -68,12 +68,13 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     _check_heads(q, k_buffer)
     if slot_table.dim() != 2 or slot_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError(f"slot_table {tuple(slot_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {q.shape[0]}")
-    max_len = int(seq_lens.max())
-    slots = slot_table[:, :max_len]
+    batch, max_len = q.shape[0], int(seq_lens.max())
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    slots = torch.where(valid, slots, torch.zeros_like(slots))
-    k = k_buffer[slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-    v = v_buffer[slots].permute(0, 2, 1, 3).to(q.dtype)
+    # index_select on one flat index is several times faster than 2-D advanced indexing on CPU
+    flat = slot_table[:, :max_len].masked_fill(~valid, 0).reshape(-1)
+    shape = (batch, max_len) + k_buffer.shape[1:]
+    k = k_buffer.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    v = v_buffer.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     return o[:, :, 0, :]

@@ -51,16 +51,16 @@ def test_extend_matches_naive_with_prefix(hq, hkv):
 
 def test_decode_matches_naive_ragged():
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    hq, hkv, d, num_slots = 6, 2, 32, 512
+    hq, hkv, d, num_slots = 6, 2, 32, 2048
     k_buf, v_buf = random_pool(num_slots, hkv, d, gen)
-    lens = [1, 17, 200]
+    lens = [1, 17, 200, 3, 90, 64, 5, 33, 120, 7, 2, 150]
     perm = torch.randperm(num_slots, generator=gen)
-    table = torch.zeros(3, 256, dtype=torch.int64)
+    table = torch.zeros(len(lens), 256, dtype=torch.int64)
     used = 0
     for i, n in enumerate(lens):
         table[i, :n] = perm[used:used + n]
         used += n
-    q = torch.randn(3, hq, d, generator=gen)
+    q = torch.randn(len(lens), hq, d, generator=gen)
     out = decode_attention(q, k_buf, v_buf, table, torch.tensor(lens), d ** -0.5)
     for i, n in enumerate(lens):
         ref = naive(q[i:i + 1], k_buf[table[i, :n]], v_buf[table[i, :n]], n - 1)
