@@ -1,0 +1,126 @@
+"""L2 pieces: host pool sizing and layouts, the locked allocator, the transfer engine."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hicache.tiers.gpu.pool import DeviceKVPool
+from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, host_pool_tokens
+from hicache.tiers.host.transfer import HostTransferEngine
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def pools(layout, page_size=4, device_tokens=64, host_tokens=128):
+    dev = DeviceKVPool(device_tokens, page_size, LAYERS, HEADS, DIM, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for i in range(LAYERS):
+        dev.k_buffers[i].copy_(torch.randn(dev.k_buffers[i].shape, generator=g))
+        dev.v_buffers[i].copy_(torch.randn(dev.v_buffers[i].shape, generator=g))
+    host = HostKVPool(host_tokens, page_size, LAYERS, HEADS, DIM, torch.float32, layout)
+    return dev, host
+
+
+def test_sizing_by_ratio_or_gb_page_aligned():
+    per_token = 1000
+    assert host_pool_tokens(100, per_token, 16, 2.0, 0, available=10 * GB, reserve=0) == 192
+    assert host_pool_tokens(100, per_token, 1, 2.0, 0.5, available=10 * GB, reserve=0) == 500_000
+    with pytest.raises(ValueError, match="Not enough host memory"):
+        host_pool_tokens(100, per_token, 1, 2.0, 3, available=4 * GB, reserve=2 * GB)
+    with pytest.raises(ValueError, match="less than one page"):
+        host_pool_tokens(10, per_token, 64, 2.0, 0, available=10 * GB, reserve=0)
+
+
+def test_real_ram_check_refuses_an_absurd_size():
+    with pytest.raises(ValueError, match="kept for the OS"):
+        host_pool_tokens(100, 1000, 1, 2.0, 10**6)  # a petabyte
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_layouts_store_and_return_the_same_kv(layout):
+    _, host = pools(layout)
+    assert not host.pinned and host.bytes_per_token() == 2 * LAYERS * HEADS * DIM * 4
+    slots = torch.tensor([5, 6, 7, 12, 100, 3])
+    k, v = torch.randn(6, HEADS, DIM), torch.randn(6, HEADS, DIM)
+    host.set_layer(1, slots, k, v)
+    k2, v2 = host.get_layer(1, slots)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_page_first_keeps_a_whole_page_contiguous():
+    _, host = pools("page_first")
+    page = torch.arange(4, 8)  # page 1
+    for layer in range(LAYERS):
+        host.set_layer(layer, page, torch.full((4, HEADS, DIM), float(layer)), torch.full((4, HEADS, DIM), -float(layer)))
+    view = host.page_view(1)
+    assert view.is_contiguous() and view.shape == (2, LAYERS, 4, HEADS, DIM)
+    assert view.data_ptr() == host.buffer.data_ptr() + host.buffer[0].numel() * 4
+    assert torch.equal(view[0, 2], torch.full((4, HEADS, DIM), 2.0)) and torch.equal(view[1, 1], torch.full((4, HEADS, DIM), -1.0))
+    with pytest.raises(ValueError):
+        pools("layer_first")[1].page_view(0)
+    with pytest.raises(ValueError, match="hicache_mem_layout"):
+        HostKVPool(16, 4, 1, 1, 1, torch.float32, "page_head")
+
+
+def test_locked_allocator_survives_concurrent_use():
+    a = LockedAllocator(num_pages=64, page_size=2)
+
+    def churn():
+        for _ in range(300):
+            s = a.alloc(4)
+            if s is not None:
+                a.free(s)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert a.num_free_tokens() == 128 and sorted(a.free_slots().tolist()) == list(range(128))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_backup_then_load_back_round_trips_every_layer(layout, io_backend):
+    dev, host = pools(layout)
+    eng = HostTransferEngine(dev, host, io_backend)
+    src = torch.tensor([8, 9, 10, 11, 40, 41, 42, 43])
+    hslots = torch.tensor([20, 21, 22, 23, 0, 1, 2, 3])
+    want = [(dev.k_buffer(i)[src].clone(), dev.v_buffer(i)[src].clone()) for i in range(LAYERS)]
+    t1 = eng.backup(src, hslots)
+    dst = torch.tensor([60, 61, 62, 63, 4, 5, 6, 7])
+    layers = []
+    t2 = eng.load(hslots, dst, on_layer=layers.append)
+    done = eng.poll()
+    assert [(r.ticket, r.kind, r.ok, r.tokens) for r in done] == [(t1, "backup", True, 8), (t2, "load", True, 8)]
+    assert done[0].nbytes == 8 * host.bytes_per_token() and done[0].seconds >= 0
+    assert layers == list(range(LAYERS)) and eng.poll() == []
+    for i, (k, v) in enumerate(want):
+        assert torch.equal(dev.k_buffer(i)[dst], k) and torch.equal(dev.v_buffer(i)[dst], v)
+    eng.synchronize(t2)  # a no-op once done
+
+
+def test_a_failing_copy_is_reported_not_raised(monkeypatch):
+    dev, host = pools("layer_first")
+    eng = HostTransferEngine(dev, host)
+
+    def boom(*a, **k):
+        raise RuntimeError("DMA error")
+
+    monkeypatch.setattr(host, "set_layer", boom)
+    t = eng.backup(torch.arange(4), torch.arange(4))
+    bad = eng.load(torch.arange(4), torch.arange(8))  # mismatched lengths
+    res = {r.ticket: r for r in eng.poll()}
+    assert not res[t].ok and "DMA error" in res[t].error and res[t].nbytes == 0
+    assert not res[bad].ok and "host slots" in res[bad].error
+
+
+def test_engine_rejects_bad_backend_and_layer_mismatch():
+    dev, host = pools("layer_first")
+    with pytest.raises(ValueError, match="hicache_io_backend"):
+        HostTransferEngine(dev, host, "dma")
+    other = HostKVPool(16, 4, LAYERS + 1, HEADS, DIM, torch.float32)
+    with pytest.raises(ValueError, match="layers"):
+        HostTransferEngine(dev, other)

@@ -1,0 +1,138 @@
+"""L2: the host KV pool, its layouts and its thread-safe page allocator."""
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from hicache.tiers.base import PagedAllocator
+
+LAYOUTS = ("layer_first", "page_first")
+GB = 10**9  # hicache_size is in GB, as SGLang's --hicache-size
+
+
+class LockedAllocator:
+    """`PagedAllocator` behind a lock: the scheduler allocates and frees host pages, and later the
+    storage I/O threads do too. Same contract as `tiers.base.PageAllocator`."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self._inner = PagedAllocator(num_pages, page_size)
+        self._lock = threading.Lock()
+        self.page_size = page_size
+        self.num_pages = num_pages
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        with self._lock:
+            return self._inner.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        with self._lock:
+            self._inner.free(slots)
+
+    def num_free_tokens(self) -> int:
+        with self._lock:
+            return self._inner.num_free_tokens()
+
+    def capacity_tokens(self) -> int:
+        return self._inner.capacity_tokens()
+
+    def free_slots(self) -> torch.Tensor:
+        with self._lock:
+            return self._inner.free_slots()
+
+
+class HostKVPool:
+    """K and V of every layer for `num_tokens` host slots, in one buffer.
+
+    layer_first: buffer [2, num_layers, num_slots, num_kv_heads, head_dim] (K = 0, V = 1): layer i
+      of K is one contiguous [num_slots, H, D] block, the same shape as an L1 layer.
+    page_first: buffer [num_pages, 2, num_layers, page_size, H, D]: everything of one page
+      (K and V, all layers) is one contiguous block, so one L3 object is one slice (`page_view`).
+    dtype is the L1 pool's; the buffer is pinned when `pin` (default: when CUDA is available).
+    Slots are token indices, as in L1; `allocator` hands them out a page at a time.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, layout: str = "layer_first", pin: bool | None = None):
+        if layout not in LAYOUTS:
+            raise ValueError(f"hicache_mem_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+        num_pages = num_tokens // page_size
+        if num_pages < 1:
+            raise ValueError(f"the host KV pool holds {num_tokens} tokens, less than one page ({page_size})")
+        self.page_size, self.num_layers, self.layout = page_size, num_layers, layout
+        self.num_slots = num_pages * page_size
+        self.allocator = LockedAllocator(num_pages, page_size)
+        if layout == "layer_first":
+            shape = (2, num_layers, self.num_slots, num_kv_heads, head_dim)
+        else:
+            shape = (num_pages, 2, num_layers, page_size, num_kv_heads, head_dim)
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)  # untouched pages cost no RAM on CPU
+        self.pinned = pin
+        self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.buffer.element_size()
+
+    def bytes_per_token(self) -> int:
+        return self._token_bytes
+
+    def get_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at host `slots` ([n] int64, CPU): two new [n, H, D] tensors."""
+        if self.layout == "layer_first":
+            return self.buffer[0, layer, slots], self.buffer[1, layer, slots]
+        pages, offs = slots // self.page_size, slots % self.page_size
+        return self.buffer[pages, 0, layer, offs], self.buffer[pages, 1, layer, offs]
+
+    def set_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes [n, H, D] K and V (any device: copied here) of `layer` at host `slots`."""
+        if self.layout == "layer_first":
+            self.buffer[0, layer, slots] = k.to("cpu")
+            self.buffer[1, layer, slots] = v.to("cpu")
+            return
+        pages, offs = slots // self.page_size, slots % self.page_size
+        self.buffer[pages, 0, layer, offs] = k.to("cpu")
+        self.buffer[pages, 1, layer, offs] = v.to("cpu")
+
+    def page_view(self, page: int) -> torch.Tensor:
+        """page_first only: page `page` as one contiguous [2, L, page_size, H, D] view (for L3)."""
+        if self.layout != "page_first":
+            raise ValueError("page_view needs the page_first layout")
+        return self.buffer[page]
+
+
+def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, ratio: float, size_gb: float,
+                     available: int | None = None, reserve: int | None = None) -> int:
+    """L2 size in tokens: `size_gb` GB when > 0, else `ratio` x the L1 tokens; page-aligned.
+
+    ValueError when that does not fit in the available host memory minus a reserve for the OS
+    (`reserve`: default the smaller of 10 GiB and a fifth of physical RAM)."""
+    tokens = int(size_gb * GB) // bytes_per_token if size_gb > 0 else int(device_tokens * ratio)
+    tokens = tokens // page_size * page_size
+    if tokens < page_size:
+        raise ValueError(f"the host KV pool would hold {tokens} tokens, less than one page ({page_size}); "
+                         "raise hicache_ratio or hicache_size")
+    available = available_ram() if available is None else available
+    reserve = default_reserve() if reserve is None else reserve
+    need = tokens * bytes_per_token
+    if need > available - reserve:
+        raise ValueError(
+            f"Not enough host memory for the host KV pool: it needs {need / 2**30:.2f} GiB "
+            f"({tokens} tokens x {bytes_per_token} B), {available / 2**30:.2f} GiB is available and "
+            f"{reserve / 2**30:.2f} GiB is kept for the OS; lower hicache_ratio / hicache_size "
+            "or pass disable_hierarchical_cache")
+    return tokens
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_reserve() -> int:
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(10 * 2**30, total // 5)

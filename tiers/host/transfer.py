@@ -1,0 +1,126 @@
+"""The L1 <-> L2 transfer engine: torch index copies (the reference the GPU kernels must match).
+
+On CPU a copy runs inside `backup` / `load` and its result waits for the next `poll()`. On CUDA
+the copies run on side streams (one for writes, one for loads) ordered after the work already
+queued on the compute stream, and `poll()` reports a ticket once its finish event has fired.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable, NamedTuple
+
+import torch
+
+from hicache.tiers.base import DevicePool, TransferResult
+
+logger = logging.getLogger(__name__)
+
+IO_BACKENDS = ("direct", "kernel")
+
+
+class _Pending(NamedTuple):
+    ticket: int
+    kind: str
+    tokens: int
+    start: float
+    event: object  # torch.cuda.Event recorded after the last copy
+
+
+class HostTransferEngine:
+    """`tiers.base.TransferEngine` over a `DeviceKVPool` and a `HostKVPool`.
+
+    `io_backend` is recorded for the GPU kernels to come; today both backends are torch index
+    copies. Only the scheduler thread calls it.
+    """
+
+    def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "kernel"):
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"hicache_io_backend must be one of {', '.join(IO_BACKENDS)}; got {io_backend!r}")
+        if device_pool.num_layers != host_pool.num_layers:
+            raise ValueError(f"device pool has {device_pool.num_layers} layers, host pool {host_pool.num_layers}")
+        self.device_pool, self.host_pool, self.io_backend = device_pool, host_pool, io_backend
+        self.device = device_pool.k_buffer(0).device
+        self._tickets = itertools.count(1)
+        self._done: list[TransferResult] = []
+        self._pending: dict[int, _Pending] = {}
+        self._streams = None
+        if self.device.type == "cuda":
+            self._streams = {"backup": torch.cuda.Stream(self.device), "load": torch.cuda.Stream(self.device)}
+
+    # ---- submit ---------------------------------------------------------------------------
+
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
+        """Device -> host, every layer, as one operation."""
+        return self._submit("backup", device_slots, host_slots, None)
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
+             on_layer: Callable[[int], None] | None = None) -> int:
+        """Host -> device, layer by layer; `on_layer(i)` once layer i is copied (queued, on CUDA)."""
+        return self._submit("load", device_slots, host_slots, on_layer)
+
+    def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> int:
+        ticket, start = next(self._tickets), time.perf_counter()
+        n = int(device_slots.numel())
+        try:
+            if device_slots.shape != host_slots.shape:
+                raise ValueError(f"{kind}: {n} device slots but {host_slots.numel()} host slots")
+            if self._streams is None:
+                self._copy(kind, device_slots, host_slots, on_layer)
+                self._finish(ticket, kind, n, start, None)
+            else:
+                self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start)
+        except Exception as e:  # reported through poll(), never raised into the scheduler
+            logger.warning("%s transfer %d failed: %r", kind, ticket, e)
+            self._finish(ticket, kind, n, start, repr(e))
+        return ticket
+
+    def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start) -> None:
+        stream = self._streams[kind]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
+        with torch.cuda.stream(stream):
+            self._copy(kind, device_slots, host_slots, on_layer)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if kind == "load":  # later compute reads the loaded pages
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._pending[ticket] = _Pending(ticket, kind, int(device_slots.numel()), start, event)
+
+    def _copy(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
+        dev, host = self.device_pool, self.host_pool
+        dslots = device_slots.to(self.device, non_blocking=True)
+        for layer in range(dev.num_layers):
+            if kind == "backup":
+                host.set_layer(layer, host_slots, dev.k_buffer(layer)[dslots], dev.v_buffer(layer)[dslots])
+            else:
+                k, v = host.get_layer(layer, host_slots)
+                dev.k_buffer(layer)[dslots] = k.to(self.device, non_blocking=True)
+                dev.v_buffer(layer)[dslots] = v.to(self.device, non_blocking=True)
+                if on_layer is not None:
+                    on_layer(layer)
+
+    def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None) -> None:
+        nbytes = tokens * self.host_pool.bytes_per_token() if error is None else 0
+        self._done.append(TransferResult(ticket, kind, error is None, tokens, nbytes,
+                                         time.perf_counter() - start, error))
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def poll(self) -> list[TransferResult]:
+        """Transfers finished since the last poll, in completion order. Never blocks."""
+        for p in list(self._pending.values()):
+            if p.event.query():
+                del self._pending[p.ticket]
+                self._finish(p.ticket, p.kind, p.tokens, p.start, None)
+        done, self._done = self._done, []
+        return done
+
+    def synchronize(self, ticket: int) -> None:
+        """Blocks until `ticket` has finished (its result still comes through poll())."""
+        p = self._pending.get(ticket)
+        if p is not None:
+            p.event.synchronize()
+
+    def in_flight(self) -> int:
+        return len(self._pending)
