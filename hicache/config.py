@@ -3,15 +3,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+MEM_LAYOUTS = ("layer_first", "page_first")
+IO_BACKENDS = ("direct", "kernel")
+
 
 @dataclass(frozen=True)
 class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
     radix_eviction_policy: str = field(default="lru", metadata={"help": "Which unlocked leaf the radix tree evicts first: lru or lfu."})
+    enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
+    disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
+    hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})
+    hicache_size: float = field(default=0, metadata={"help": "Host (L2) pool size in GB; overrides hicache_ratio when > 0."})
+    hicache_write_policy: str = field(default="write_through", metadata={"help": "When device KV is copied to host: write_through (on insert), write_through_selective (on the second hit) or write_back (on eviction)."})
+    hicache_mem_layout: str = field(default="layer_first", metadata={"help": "Host pool layout: layer_first (per-layer contiguous, like L1) or page_first (all layers of a page contiguous)."})
+    hicache_io_backend: str = field(default="kernel", metadata={"help": "Host <-> device copies: kernel (gather/scatter kernels on CUDA) or direct (torch index copies); plain torch copies on CPU either way."})
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.radix_eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"radix_eviction_policy must be lru or lfu, got {self.radix_eviction_policy!r}")
+        _choice("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES)
+        _choice("hicache_mem_layout", self.hicache_mem_layout, MEM_LAYOUTS)
+        _choice("hicache_io_backend", self.hicache_io_backend, IO_BACKENDS)
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
+        if self.disable_hierarchical_cache:  # one source of truth afterwards: enable_hierarchical_cache
+            object.__setattr__(self, "enable_hierarchical_cache", False)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether L2 is in use: asked for, and there is a radix cache to keep in it."""
+        return self.enable_hierarchical_cache and not self.disable_radix_cache
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hicache.config import HiCacheConfig
+from hicache.controller import CacheController
 from hicache.runtime.attention import make_attention_backend
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
@@ -15,6 +16,8 @@ from hicache.runtime.runner import ModelRunner
 from hicache.runtime.weights import load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
+from hicache.tiers.host.pool import HostKVPool, host_pool_tokens
+from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tree import RadixTree
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,8 @@ class Components(NamedTuple):
     pool: DeviceKVPool
     req_table: ReqToTokenTable
     tree: RadixTree
+    cache: CacheController  # the cache brain over the tree and, when L2 is on, the host tier
+    host_pool: HostKVPool | None
     runner: ModelRunner
     context_length: int
     model_name: str
@@ -45,11 +50,26 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     pages_per_req = -(-context // cc.page_size)
     req_table = ReqToTokenTable(rc.max_running_requests, pages_per_req * cc.page_size, device)
-    tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache)
+    host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
+    tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
+                     host_allocator=host_pool.allocator if host_pool is not None else None)
+    transfer = HostTransferEngine(pool, host_pool, cc.hicache_io_backend) if host_pool is not None else None
+    cache = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
     runner = ModelRunner(loaded.model, pool, req_table, make_attention_backend(rc.attention_backend, cfg.head_dim), device)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
                 pool.num_slots * pool.bytes_per_token() / 2**20, context)
-    return Components(cfg, loaded.tokenizer, pool, req_table, tree, runner, context, cfg.name)
+    return Components(cfg, loaded.tokenizer, pool, req_table, tree, cache, host_pool, runner, context, cfg.name)
+
+
+def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype) -> HostKVPool:
+    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM)."""
+    tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
+    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+                      cc.hicache_mem_layout)
+    logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
+                host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
+                "pinned" if host.pinned else "not pinned", cc.hicache_write_policy)
+    return host
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

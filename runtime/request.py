@@ -30,6 +30,9 @@ class Req:
         self.prefix_len = 0
         self.last_node = None
         self.cached_tokens: int | None = None  # prefix served from cache at first admission
+        self.cached_host = 0  # the part of cached_tokens loaded back from L2
+        self.wait_tickets: frozenset[int] = frozenset()  # in-flight load-backs its prefix needs
+        self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
         self.finish_reason: dict | None = None
         self.new_logprobs: list = []
         self.arrival_seq = 0

@@ -6,6 +6,7 @@ running request), `runner.run(plan)`, then `process_result(plan, output)`.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 
@@ -31,6 +32,7 @@ class Scheduler:
         parts = build(self.rc, self.cc)
         self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
         self.pool, self.req_table, self.tree, self.runner = parts.pool, parts.req_table, parts.tree, parts.runner
+        self.cache = parts.cache  # the cache brain: match, load-back, insert, eviction over L1 and L2
         self.context_length, self.model_name = parts.context_length, parts.model_name
         self.page_size = self.cc.page_size
         self.alloc = self.pool.allocator
@@ -39,7 +41,7 @@ class Scheduler:
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, evicted_tokens=0,
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0,
                              retractions=0, requests_finished=0, requests_aborted=0)
 
     # ---- front-end calls -------------------------------------------------------------------
@@ -100,21 +102,37 @@ class Scheduler:
         return outs
 
     def flush_cache(self) -> bool:
+        """Empties L1 and L2; False while requests run or transfers are in flight."""
         if self.running or self.waiting:
             return False
-        self.tree.reset()
-        return True
+        return self.cache.flush()
 
     # ---- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> BatchPlan | None:
+        self._poll_transfers()
         return self._schedule_prefill() or self._schedule_decode()
+
+    def _poll_transfers(self) -> None:
+        """Fold in finished L1 <-> L2 transfers; recompute the requests whose load-back failed."""
+        failed = self.cache.poll()
+        if failed:
+            for req in [r for r in self.running if r.wait_tickets & failed]:
+                self._retract(req, keep_kv=False)
+                req.load_back_failed = True  # recompute it rather than load again
+            self.cache.drop_stale()
+
+    def _kv_ready(self, req: Req) -> bool:
+        """False while a load-back the request's prefix needs is still in flight."""
+        if req.wait_tickets and self.cache.loads_done(req.wait_tickets):
+            req.wait_tickets = frozenset()
+        return not req.wait_tickets
 
     def _schedule_prefill(self) -> BatchPlan | None:
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.rc.max_prefill_tokens
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if req in self.running and req.kv_len < req.seq_len - 1:
+            if req in self.running and req.kv_len < req.seq_len - 1 and self._kv_ready(req):
                 budget -= self._add_chunk(plan, req, budget)
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.rc.max_running_requests:
@@ -122,32 +140,40 @@ class Scheduler:
             n = self._admit(req, budget)
             if n == 0:
                 break
-            budget -= n
-            self._add_chunk(plan, req, n, allocated=True)
+            if self._kv_ready(req):
+                budget -= n
+                self._add_chunk(plan, req, n, allocated=True)
         return plan if plan.reqs else None
 
     def _ordered_waiting(self) -> list[Req]:
-        if self.rc.schedule_policy == "fcfs" or self.tree.disabled:
+        if self.rc.schedule_policy == "fcfs" or self.cache.disabled:
             return list(self.waiting)
-        matched = {r.rid: self.tree.match(r.all_ids[:-1], r.namespace).device_slots.numel() for r in self.waiting}
+        matches = {r.rid: self.cache.match(r.all_ids[:-1], r.namespace) for r in self.waiting}
+        matched = {rid: m.device_slots.numel() + m.host_hit_tokens for rid, m in matches.items()}
         return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.arrival_seq))
 
-    def _chunk_len(self, req: Req, budget: int) -> int:
-        n = min(req.seq_len - req.kv_len, budget)
+    def _chunk_len(self, req: Req, budget: int, start: int | None = None) -> int:
+        n = min(req.seq_len - (req.kv_len if start is None else start), budget)
         if self.rc.chunked_prefill_size > 0:
             n = min(n, self.rc.chunked_prefill_size)
         return n
 
     def _admit(self, req: Req, budget: int) -> int:
-        """Match the prefix, lock it, take a table row and the slots of the first chunk.
+        """Match the prefix (L1, then L2), lock it, take a table row, load the L2 part back into
+        fresh L1 pages (all or nothing) and take the slots of the first chunk.
         Returns the chunk length, or 0 (nothing held) when memory is short."""
-        match = self.tree.match(req.all_ids[:-1], req.namespace)
-        self.tree.lock(match.last_node)
-        prefix = match.device_slots.numel()
-        req.last_node, req.prefix_len, req.kv_len, req.slots = match.last_node, prefix, prefix, match.device_slots
-        n = self._chunk_len(req, budget)
+        match = self.cache.match(req.all_ids[:-1], req.namespace)
+        self.cache.lock(match.last_node)
+        req.last_node, req.slots = match.last_node, match.device_slots
+        req.prefix_len = req.kv_len = req.slots.numel()
         headroom = self.page_size * sum(1 for r in self.running if r.kv_len >= r.seq_len - 1)
         req.row = self.req_table.alloc()
+        host = self._load_back(req, match, budget, headroom) if req.row is not None else 0
+        if host is None:  # L2 holds more of the prompt than L1 has room for yet: wait, not recompute
+            self._release(req)
+            return 0
+        prefix = req.prefix_len = req.kv_len = req.slots.numel()
+        n = self._chunk_len(req, budget)
         if req.row is not None:
             self.req_table.write(req.row, 0, req.slots)
         if req.row is None or not self._ensure_slots(req, prefix + n, headroom):
@@ -155,10 +181,25 @@ class Scheduler:
             return 0
         self.waiting.remove(req)
         self.running.append(req)
+        req.wait_tickets = self.cache.pending_loads(req.last_node)
         if req.cached_tokens is None:
-            req.cached_tokens = prefix
-            self.counters["cached_device"] += prefix
+            req.cached_tokens, req.cached_host = prefix, host
+            self.counters["cached_device"] += prefix - host
+            self.counters["cached_host"] += host
         return n
+
+    def _load_back(self, req: Req, match, budget: int, headroom: int) -> int | None:
+        """Bring the L2 part of `match` back to L1 with room for the first chunk after it; extends
+        req.slots and moves its lock. Returns the tokens loaded (0: none, the request recomputes
+        them), or None when L1 has no room for them yet (the request waits)."""
+        if not match.host_hit_tokens or req.load_back_failed:
+            return 0
+        first_chunk = self._chunk_len(req, budget, start=req.kv_len + match.host_hit_tokens)
+        loaded = self.cache.load_back(match, -(-first_chunk // self.page_size) * self.page_size + headroom)
+        if loaded.refused:
+            return None if loaded.refused == "room" else 0
+        req.last_node, req.slots = loaded.last_node, torch.cat([req.slots, loaded.device_slots])
+        return loaded.device_slots.numel()
 
     def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False) -> int:
         n = self._chunk_len(req, budget)
@@ -173,7 +214,8 @@ class Scheduler:
     def _schedule_decode(self) -> BatchPlan | None:
         plan = BatchPlan("decode", [], [], [], [])
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if req in self.running and req.kv_len == req.seq_len - 1 and self._make_room(req, req.kv_len + 1):
+            if (req in self.running and req.kv_len == req.seq_len - 1 and self._kv_ready(req)
+                    and self._make_room(req, req.kv_len + 1)):
                 plan.reqs.append(req)
                 plan.starts.append(req.kv_len)
                 plan.extend_lens.append(1)
@@ -190,7 +232,7 @@ class Scheduler:
             return True
         short = need + headroom - self.alloc.num_free_tokens()
         if short > 0:
-            self.counters["evicted_tokens"] += self.tree.evict(short)
+            self.cache.evict_device(short)
             if need + headroom > self.alloc.num_free_tokens():
                 return False
         new = self.alloc.alloc(need)
@@ -208,27 +250,30 @@ class Scheduler:
                 return False
         return True
 
-    def _release(self, req: Req) -> None:
-        """Give the tree what the request computed (page-aligned) and free everything else."""
+    def _release(self, req: Req, keep_kv: bool = True) -> None:
+        """Give the cache what the request computed (page-aligned) and free everything else
+        (`keep_kv=False`: cache nothing new, e.g. when its prefix was never loaded correctly)."""
         if req.last_node is None:
             return
-        kv, ps = req.kv_len, self.page_size
-        present = self.tree.insert(req.all_ids[:kv], req.slots[:kv], req.namespace) if kv else 0
-        taken_end = present if self.tree.disabled else kv // ps * ps
+        kv, ps = (req.kv_len if keep_kv else req.prefix_len), self.page_size
+        present = self.cache.insert(req.all_ids[:kv], req.slots[:kv], req.namespace, len(req.input_ids)) if kv else 0
+        taken_end = present if self.cache.disabled else kv // ps * ps
         self.alloc.free(req.slots[req.prefix_len:max(present, req.prefix_len)])
         self.alloc.free(req.slots[max(taken_end, req.prefix_len):])
-        self.tree.unlock(req.last_node)
+        self.cache.unlock(req.last_node)
         if req.row is not None:
             self.req_table.free(req.row)
         req.row, req.last_node, req.slots = None, None, req.slots[:0]
         req.kv_len = req.prefix_len = 0
+        req.wait_tickets = frozenset()
 
-    def _retract(self, req: Req) -> None:
-        """Out of KV: put a running request back in the queue; it is recomputed later (its prefix
-        likely still cached) and continues with the same outputs and sampler state."""
+    def _retract(self, req: Req, keep_kv: bool = True) -> None:
+        """Out of KV (or its load-back failed: `keep_kv=False`): put a running request back in the
+        queue; it is recomputed later (its prefix likely still cached) and continues with the same
+        outputs and sampler state."""
         logger.info("retracting %s to free KV memory", req)
         self.running.remove(req)
-        self._release(req)
+        self._release(req, keep_kv)
         self.counters["retractions"] += 1
         self.waiting.insert(0, req)
         self.waiting.sort(key=lambda r: r.arrival_seq)
@@ -257,9 +302,9 @@ class Scheduler:
         self._emit(req, [], reason, None)
 
     def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
-        cached = req.cached_tokens or 0
+        cached, host = req.cached_tokens or 0, req.cached_host
         meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": cached, "cached_tokens_details": {"device": cached, "host": 0, "storage": 0}}
+                "cached_tokens": cached, "cached_tokens_details": {"device": cached - host, "host": host, "storage": 0}}
         self._outputs.append(TokenOutput(req.rid, new_ids, reason, meta, logprobs))
 
     # ---- introspection ---------------------------------------------------------------------
@@ -270,19 +315,21 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         held = [r.slots[r.prefix_len:] for r in self.running]
-        self.tree.check_integrity(torch.cat(held) if held else None)
+        locks = collections.Counter(r.last_node for r in self.running)
+        self.cache.check_integrity(torch.cat(held) if held else None, locks)
         assert self.req_table.num_free() + len(self.running) == self.rc.max_running_requests, "table rows leaked"
 
     def stats(self) -> dict:
         c = self.counters
         device = {"used_tokens": self.alloc.capacity_tokens() - self.alloc.num_free_tokens(),
                   "capacity_tokens": self.alloc.capacity_tokens(), "cached_tokens": self.tree.total_tokens(),
-                  "hit_tokens": c["cached_device"], "evicted_tokens": c["evicted_tokens"],
+                  "hit_tokens": c["cached_device"], "evicted_tokens": self.cache.counters["device_evicted_tokens"],
                   "bytes_per_token": self.pool.bytes_per_token()}
+        host = dict(self.cache.host_stats(), hit_tokens=c["cached_host"]) if self.cache.enabled else None
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
         return {"running": len(self.running), "queued": len(self.waiting), "pages_held": self.pages_held(),
                 "page_size": self.page_size, "retractions": c["retractions"],
                 "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
-                "tiers": {"device": device, "host": dict(empty), "storage": dict(empty)},
+                "tiers": {"device": device, "host": host or dict(empty), "storage": dict(empty)},
                 "tokens": {"prompt": c["prompt_tokens"], "generation": c["generation_tokens"],
-                           "cached": {"device": c["cached_device"], "host": 0, "storage": 0}}}
+                           "cached": {"device": c["cached_device"], "host": c["cached_host"], "storage": 0}}}

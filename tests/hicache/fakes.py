@@ -59,3 +59,81 @@ class FakeAllocator:
     def _slots_of(self, pages: list[int]) -> torch.Tensor:
         p = torch.tensor(pages, dtype=torch.int64)
         return (p[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+
+class FakeHostPool:
+    """A HostPool protocol stand-in: an allocator and the numbers the controller reads."""
+
+    def __init__(self, num_pages: int, page_size: int, seed: int = 1):
+        self.allocator = FakeAllocator(num_pages, page_size, seed)
+        self.num_layers = 2
+        self.layout = "layer_first"
+
+    def bytes_per_token(self) -> int:
+        return 100
+
+
+class FakeTransfer:
+    """A TransferEngine over two dicts, slot -> value (`device`, `host`): a copy moves values.
+
+    `deferred=True` queues transfers until `complete()` (or `synchronize`); `fail_next(kind)`
+    makes the next transfer of that kind fail without copying anything.
+    """
+
+    def __init__(self, device: dict, host: dict, deferred: bool = False):
+        self.device, self.host, self.deferred = device, host, deferred
+        self._next = 1
+        self._queue: list[tuple] = []
+        self._done: list = []
+        self._fail: list[str] = []
+        self.submitted: list[tuple[str, int]] = []  # (kind, tokens)
+        self.layers_seen: list[int] = []
+
+    def fail_next(self, kind: str) -> None:
+        self._fail.append(kind)
+
+    def backup(self, device_slots, host_slots) -> int:
+        src, dst = device_slots.tolist(), host_slots.tolist()
+        return self._submit("backup", len(src), lambda: self.host.update({d: self.device.get(s) for s, d in zip(src, dst)}))
+
+    def load(self, host_slots, device_slots, on_layer=None) -> int:
+        src, dst = host_slots.tolist(), device_slots.tolist()
+        return self._submit("load", len(src), lambda: self.device.update({d: self.host.get(s) for s, d in zip(src, dst)}))
+
+    def _submit(self, kind, n, copy) -> int:
+        from hicache.tiers.base import TransferResult
+
+        ticket, self._next = self._next, self._next + 1
+        failed = kind in self._fail
+        if failed:
+            self._fail.remove(kind)
+        self.submitted.append((kind, n))
+        op = (ticket, kind, n, copy, failed, TransferResult)
+        if self.deferred:
+            self._queue.append(op)
+        else:
+            self._run(op)
+        return ticket
+
+    def _run(self, op) -> None:
+        ticket, kind, n, copy, failed, result = op
+        if not failed:
+            copy()
+        self._done.append(result(ticket, kind, not failed, n, 0 if failed else n * 100, 0.001,
+                                 "injected failure" if failed else None))
+
+    def complete(self, ticket: int | None = None) -> None:
+        """Runs queued transfers (all, or just `ticket`)."""
+        for op in [op for op in self._queue if ticket is None or op[0] == ticket]:
+            self._queue.remove(op)
+            self._run(op)
+
+    def poll(self) -> list:
+        done, self._done = self._done, []
+        return done
+
+    def synchronize(self, ticket: int) -> None:
+        self.complete(ticket)
+
+    def in_flight(self) -> int:
+        return len(self._queue)

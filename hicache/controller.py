@@ -1,0 +1,365 @@
+"""`CacheController`: the cache brain. It decides and executes moves of KV pages between L1 and L2
+over the radix tree, through the tier protocols only (no concrete tier, no CUDA).
+
+- match: the L1 part of a prefix plus its L2 continuation (`MatchResult.host_hit_tokens`).
+- load-back: all or nothing per request, at least `load_back_min_tokens`, into fresh L1 pages
+  (evicting L1 for them and for the room the caller asks to keep).
+- write policy: `write_through` backs up new pages on insert, `write_through_selective` on their
+  second insert, `write_back` only when L1 evicts them.
+- eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the
+  others (under write_back: copies them down first); L2 deletes host-only leaves no transfer pins.
+- transfers are tickets; `poll()` folds in the finished ones (unpin, unlock, account) and never
+  blocks. A failed backup leaves the node on L1 only; a failed load marks the loaded nodes stale
+  (never matched again, dropped from L1 once unlocked) and is reported so the scheduler recomputes
+  the requests that waited for it.
+
+Only the scheduler thread calls it. With no host pool (L2 off) it is a thin layer over the tree.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from hicache.tiers.base import HostPool, TransferEngine, TransferResult
+from hicache.tree import MatchResult, RadixTree, TreeNode
+
+logger = logging.getLogger(__name__)
+
+LOAD_BACK_MIN_TOKENS = 10  # below this a host hit is recomputed (SGLang's load_back_threshold)
+WRITE_THRESHOLDS = {"write_through": 0, "write_through_selective": 1}  # hit_count needed to back up on insert
+
+
+class LoadBack(NamedTuple):
+    device_slots: torch.Tensor  # [m] int64, CPU: fresh L1 slots of the loaded tokens (tree-owned); empty if refused
+    last_node: TreeNode  # the node the caller's lock now sits on (match.last_node if refused)
+    ticket: int  # 0 if refused
+    refused: str = ""  # "" (loaded), "short" (under the minimum), "room" (no L1 room yet), "failed"
+
+
+class _Op(NamedTuple):
+    """An in-flight transfer: the node pieces it covers ((node, tokens) as submitted; splits may
+    have cut a node since, into it and the ancestors above it) and the nodes it locked."""
+
+    kind: str  # "backup" | "load"
+    pieces: tuple[tuple[TreeNode, int], ...]
+    locked: tuple[TreeNode, ...]
+    tokens: int
+
+
+class CacheController:
+    def __init__(self, tree: RadixTree, host_pool: HostPool | None = None, transfer: TransferEngine | None = None,
+                 write_policy: str = "write_through", load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS):
+        if write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"unknown write policy {write_policy!r}")
+        if (host_pool is None) != (transfer is None):
+            raise ValueError("give both a host pool and a transfer engine, or neither")
+        if host_pool is not None and tree.host_allocator is not host_pool.allocator:
+            raise ValueError("the tree's host allocator must be the host pool's")
+        self.tree = tree
+        self.host_pool = host_pool
+        self.transfer = transfer
+        self.write_policy = write_policy
+        self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
+        self.enabled = host_pool is not None and not tree.disabled
+        self._ops: dict[int, _Op] = {}
+        self._failed: dict[int, _Op] = {}  # failed loads not yet reported by poll(): still "pending"
+        self._stale: list[TreeNode] = []
+        self.counters = collections.Counter()
+
+    @property
+    def disabled(self) -> bool:
+        return self.tree.disabled
+
+    # ---- match and locks ------------------------------------------------------------------
+
+    def match(self, token_ids, namespace: str = "") -> MatchResult:
+        return self.tree.match(token_ids, namespace)
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def pending_loads(self, node: TreeNode | None) -> frozenset[int]:
+        """Tickets of loads on `node`'s path that are in flight, or failed and not yet reported by
+        `poll()`: a request ending there must wait for them (and is recomputed if they failed)."""
+        loads = [(t, op) for t, op in (*self._ops.items(), *self._failed.items()) if op.kind == "load"]
+        if not loads or node is None:
+            return frozenset()
+        path = set()
+        while node is not None:
+            path.add(node)
+            node = node.parent
+        return frozenset(t for t, op in loads if any(p in path for p in self._op_nodes(op)))
+
+    def loads_done(self, tickets: frozenset[int]) -> bool:
+        """True once every load in `tickets` has landed (a failed one counts as not done until
+        `poll()` has reported it)."""
+        return not any(t in self._ops or t in self._failed for t in tickets)
+
+    # ---- load-back ------------------------------------------------------------------------
+
+    def load_back(self, match: MatchResult, extra_tokens: int = 0) -> LoadBack:
+        """Loads the L2 part of `match` into fresh L1 pages, all or nothing.
+
+        The caller holds a lock on `match.last_node`; on success it is moved to the deepest loaded
+        node (`LoadBack.last_node`) and the loaded tokens are part of the tree on L1 (the caller's
+        prefix grows by them). Refused, changing nothing, when the L2 part is shorter than
+        `load_back_min_tokens` ("short": recompute it), when L1 cannot make room for it plus
+        `extra_tokens` even by evicting ("room": try later), or when the copy failed at once
+        ("failed": recompute). The copy may still be in flight: wait on `pending_loads`.
+        """
+        def refuse(why: str) -> LoadBack:
+            return LoadBack(match.device_slots[:0], match.last_node, 0, why)
+
+        if not self.enabled or match.host_hit_tokens < self.load_back_min_tokens:
+            if match.host_hit_tokens:
+                self.counters["load_back_recomputed_tokens"] += match.host_hit_tokens
+            return refuse("short")
+        chain = self.tree.load_chain(match.last_host_node)
+        n = sum(len(node.key) for node in chain)
+        host = torch.cat([node.host_slots for node in chain])
+        for node in chain:  # so that making room (write_back copies into L2) cannot evict them
+            node.host_pin += 1
+        slots = self._alloc_device(n, extra_tokens)
+        for node in chain:
+            node.host_pin -= 1
+        if slots is None:
+            self.counters["load_back_deferred"] += 1
+            return refuse("room")
+        self.tree.attach_device(chain, slots)
+        last = chain[-1]
+        self.tree.lock(last)  # the caller's lock moves down to the loaded part
+        self.tree.unlock(match.last_node)
+        ticket = self._submit("load", chain, (last,), lambda: self.transfer.load(host, slots))
+        self._collect()
+        if ticket in self._failed:  # failed at once: nobody used the pages; undo and recompute
+            del self._failed[ticket]
+            self.tree.lock(match.last_node)
+            self.tree.unlock(last)
+            self.drop_stale()
+            self.counters["load_back_recomputed_tokens"] += n
+            return refuse("failed")
+        return LoadBack(slots, last, ticket)
+
+    def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
+        alloc = self.tree.allocator
+        short = n + extra - alloc.num_free_tokens()
+        if short > 0:
+            self.evict_device(short)
+        if n + extra > alloc.num_free_tokens():
+            return None
+        return alloc.alloc(n)
+
+    # ---- insert and write policy ----------------------------------------------------------
+
+    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0) -> int:
+        """`RadixTree.insert` (same ownership contract), then the write policy's backups.
+
+        Uses of a page: the prefill that computed it (the first `prompt_tokens` of `token_ids`
+        were computed by prefill) and every insert that finds it cached. `write_through` backs up
+        on the first use, `write_through_selective` on the second: prompt pages at the finish of
+        the request that computed them (as SGLang, which caches a prompt after prefill and again
+        at the finish), generated pages once a later request reuses them.
+        """
+        present = self.tree.insert(token_ids, slots, namespace)
+        if self.enabled and self.write_policy in WRITE_THRESHOLDS:
+            need, end, todo = WRITE_THRESHOLDS[self.write_policy], 0, []
+            if need and 0 < prompt_tokens < len(token_ids):  # a node boundary where the prompt ends
+                self.tree.path(token_ids[:prompt_tokens], namespace)
+            for node in self.tree.path(token_ids, namespace):
+                end += len(node.key)
+                uses = node.hit_count + (1 if end <= prompt_tokens else 0)
+                if node.host_slots is None and node.device_slots is not None and uses >= need:
+                    todo.append(node)
+            if todo:
+                self._backup(todo)
+        return present
+
+    def _backup(self, nodes: list[TreeNode], lock: bool = True) -> int | None:
+        """Copies `nodes` (on L1, not on L2) to fresh L2 pages in one transfer. None when L2 has no
+        room even after evicting."""
+        n = sum(len(node.key) for node in nodes)
+        host = self._alloc_host(n)
+        if host is None:
+            self.counters["backup_skipped_tokens"] += n
+            return None
+        pos = 0
+        for node in nodes:
+            self.tree.attach_host(node, host[pos:pos + len(node.key)])
+            pos += len(node.key)
+        device = torch.cat([node.device_slots for node in nodes])
+        ticket = self._submit("backup", nodes, tuple(nodes) if lock else (), lambda: self.transfer.backup(device, host))
+        self._collect()
+        return ticket
+
+    def _alloc_host(self, n: int) -> torch.Tensor | None:
+        alloc = self.tree.host_allocator
+        short = n - alloc.num_free_tokens()
+        if short > 0:
+            self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
+        return alloc.alloc(n) if alloc.num_free_tokens() >= n else None
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evict_device(self, num_tokens: int) -> int:
+        """Frees at least `num_tokens` of L1 if the tree can (see the module docstring)."""
+        freed = self.tree.evict(num_tokens, self._copy_down if self.enabled else None)
+        self.counters["device_evicted_tokens"] += freed
+        return freed
+
+    def _copy_down(self, node: TreeNode) -> bool:
+        """L1 is about to drop `node`, which L2 lacks: under write_back (or when host-only nodes
+        hang below it) copy it down first and wait for the copy (the pages are reused at once)."""
+        if self.write_policy != "write_back" and not node.children:
+            return False
+        ticket = self._backup([node], lock=False)
+        if ticket is None:
+            return False
+        if ticket in self._ops:
+            self.transfer.synchronize(ticket)
+            self._collect()
+        return node.host_slots is not None
+
+    def evict_host(self, num_tokens: int) -> int:
+        freed = self.tree.evict_host(num_tokens)
+        self.counters["host_evicted_tokens"] += freed
+        return freed
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def _submit(self, kind: str, nodes: list[TreeNode], locked: tuple[TreeNode, ...], start) -> int:
+        for node in nodes:
+            node.host_pin += 1
+        for node in locked:
+            self.tree.lock(node)
+        op = _Op(kind, tuple((node, len(node.key)) for node in nodes), locked, sum(len(n.key) for n in nodes))
+        ticket = start()
+        self._ops[ticket] = op
+        return ticket
+
+    def poll(self) -> frozenset[int]:
+        """Folds in finished transfers. Returns the tickets of loads that failed since the last
+        poll: the scheduler must recompute (without caching their KV) the requests that waited on
+        them, then call `drop_stale()`."""
+        self.drop_stale()
+        self._collect()
+        failed, self._failed = frozenset(self._failed), {}
+        return failed
+
+    def _collect(self) -> None:
+        if self.transfer is None:
+            return
+        for res in self.transfer.poll():
+            op = self._ops.pop(res.ticket, None)
+            if op is not None:
+                self._finish(op, res)
+
+    def _finish(self, op: _Op, res: TransferResult) -> None:
+        nodes = self._op_nodes(op)
+        for node in nodes:
+            node.host_pin -= 1
+        for node in op.locked:
+            self.tree.unlock(node)
+        kind = "loaded_back" if op.kind == "load" else "backed_up"
+        if res.ok:
+            self.counters[f"{kind}_tokens"] += res.tokens
+            self.counters[f"{kind}_bytes"] += res.nbytes
+            self.counters["load_back_seconds" if op.kind == "load" else "backup_seconds"] += res.seconds
+            return
+        self.counters["transfer_failures"] += 1
+        logger.warning("%s of %d tokens failed: %s", op.kind, op.tokens, res.error)
+        if op.kind == "backup":
+            for node in nodes:
+                if node.host_slots is not None and node.host_pin == 0:
+                    self.tree.detach_host(node)
+        else:
+            for node in nodes:
+                node.stale = True
+                self._stale.append(node)
+            self._failed[res.ticket] = op
+
+    def _op_nodes(self, op: _Op) -> list[TreeNode]:
+        """The nodes now covering an op's pieces: each piece's node and, if it was split, the
+        ancestors split off it."""
+        out = []
+        for node, tokens in op.pieces:
+            covered = 0
+            while covered < tokens and node is not None and node.parent is not None:
+                out.append(node)
+                covered += len(node.key)
+                node = node.parent
+        return out
+
+    def drop_stale(self) -> None:
+        """Drops the L1 copies of nodes whose load failed, deepest first, once nothing locks them
+        (their L2 copies are intact: they become host-only again)."""
+        keep = []
+        for node in sorted(self._stale, key=_depth, reverse=True):
+            if node.parent is None or not node.stale:
+                continue
+            if not self.tree.evict_subtree(node):
+                keep.append(node)
+        self._stale = keep
+
+    # ---- flush, stats, integrity ----------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Empties L1 and L2 (the caller has no running request). False while transfers run."""
+        self._collect()
+        if self._ops:
+            return False
+        self.tree.reset()
+        self._stale = []
+        return True
+
+    def host_stats(self) -> dict:
+        if not self.enabled:
+            return {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
+        a, c = self.tree.host_allocator, self.counters
+        return {"enabled": True, "used_tokens": a.capacity_tokens() - a.num_free_tokens(),
+                "capacity_tokens": a.capacity_tokens(), "cached_tokens": self.tree.host_tokens(),
+                "hit_tokens": c["loaded_back_tokens"], "evicted_tokens": c["host_evicted_tokens"],
+                "loaded_back_tokens": c["loaded_back_tokens"], "backed_up_tokens": c["backed_up_tokens"],
+                "loaded_back_bytes": c["loaded_back_bytes"], "backed_up_bytes": c["backed_up_bytes"],
+                "load_back_seconds": round(c["load_back_seconds"], 6), "backup_seconds": round(c["backup_seconds"], 6),
+                "transfer_failures": c["transfer_failures"], "load_back_recomputed_tokens": c["load_back_recomputed_tokens"],
+                "load_back_deferred": c["load_back_deferred"],
+                "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self._ops),
+                "bytes_per_token": self.host_pool.bytes_per_token(), "write_policy": self.write_policy,
+                "layout": getattr(self.host_pool, "layout", "")}
+
+    def expected_pins(self) -> dict[TreeNode, int]:
+        pins: dict[TreeNode, int] = collections.Counter()
+        for op in self._ops.values():
+            for node in self._op_nodes(op):
+                pins[node] += 1
+        return pins
+
+    def check_integrity(self, held_slots: torch.Tensor | None = None,
+                        request_locks: dict[TreeNode, int] | None = None) -> None:
+        """The tree's checks, with pins accounted for by in-flight transfers and, given
+        `request_locks` (node -> running requests locking it), direct locks = requests + transfers."""
+        self.tree.check_integrity(held_slots, self.expected_pins())
+        if request_locks is None:
+            return
+        want = collections.Counter({n: c for n, c in request_locks.items() if n.parent is not None})
+        for op in self._ops.values():
+            want.update(op.locked)
+        for node in self.tree.nodes():
+            assert node.direct_locks == want.get(node, 0), (
+                f"{node!r}: {node.direct_locks} direct locks, requests and transfers account for {want.get(node, 0)}")
+        missing = [n for n in want if n.parent is None]
+        assert not missing, f"locks held on nodes no longer in the tree: {missing[:3]}"
+
+
+def _depth(node: TreeNode) -> int:
+    d = 0
+    while node.parent is not None:
+        node, d = node.parent, d + 1
+    return d

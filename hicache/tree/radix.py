@@ -1,0 +1,291 @@
+"""`RadixTree`: the page-granular prefix tree (match, insert, split, locks, reset)."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+import torch
+
+from hicache.eviction import get_strategy
+from hicache.tiers.base import PageAllocator
+from hicache.tree.integrity import check_tree
+from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
+from hicache.tree.residency import Residency
+
+
+class RadixTree(Residency):
+    """Page-granular prefix cache over L1 (and, given `host_allocator`, L2) slots. See the package
+    docstring for the contracts."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, eviction_policy: str = "lru",
+                 disabled: bool = False, host_allocator: PageAllocator | None = None):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        for a in (allocator, host_allocator):
+            if a is not None and getattr(a, "page_size", page_size) != page_size:
+                raise ValueError(f"allocator page_size {a.page_size} != tree page_size {page_size}")
+        self.allocator = allocator
+        self.host_allocator = host_allocator
+        self.page_size = page_size
+        self.disabled = disabled
+        self._priority = get_strategy(eviction_policy)
+        self._clock = itertools.count(1)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._roots: dict[str, TreeNode] = {}
+        self._leaves: set[TreeNode] = set()  # non-root nodes without children
+        self._device_leaves: set[TreeNode] = set()  # non-root device nodes without device children
+        self._evictable = 0  # device tokens in nodes with lock_ref == 0
+        self._locked = 0  # device tokens in nodes with lock_ref > 0
+        self._host = 0  # tokens with host slots
+        self.root = self.root_of("")
+
+    def root_of(self, namespace: str) -> TreeNode:
+        """The root of `namespace`'s subtree, created on first use."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode(namespace=namespace)
+            root.device_slots = _empty_slots()
+            root.host_slots = _empty_slots()
+        return root
+
+    # ---- match / insert -------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
+        """Longest page-aligned prefix of `token_ids` cached in `namespace`, on L1 then L2.
+
+        Splits the last matched node when the match ends inside it, so `last_node` (and
+        `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
+        stale node ends the match. The result is not locked: call `lock(last_node)` before
+        anything may evict. Matching in a namespace that holds nothing returns a fresh root that
+        is not kept (matching never grows the tree).
+        """
+        tokens = _as_tokens(token_ids)
+        root = self._roots.get(namespace) or TreeNode(namespace=namespace)
+        if self.disabled:
+            return MatchResult(_empty_slots(), root, 0, root)
+        now = next(self._clock)
+        parts: list[torch.Tensor] = []
+        last = deepest = root
+        host = 0
+        for node in self._walk_prefix(root, tokens):
+            if node.stale:
+                break
+            node.last_access = now
+            deepest = node
+            if node.device_slots is not None:
+                parts.append(node.device_slots)
+                last = node
+            else:
+                host += len(node.key)
+        return MatchResult(torch.cat(parts) if parts else _empty_slots(), last, host, deepest)
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor, namespace: str = "") -> int:
+        """Cache the page-aligned prefix of `token_ids`, whose KV is in `slots` ([len] int64, CPU).
+
+        Returns n_present: how many leading tokens were already cached on L1. The tree takes
+        ownership of `slots[n_present:aligned]` (it copies them): host-only nodes on the path
+        take their part as their L1 copy, the rest becomes a new leaf. The caller keeps
+        `slots[:n_present]` (freeing those it owns) and the unaligned tail. Nodes already present
+        get hit_count += 1. A disabled tree inserts nothing and returns 0.
+        """
+        tokens = _as_tokens(token_ids)
+        if slots.dim() != 1 or slots.dtype != torch.int64 or len(slots) != len(tokens):
+            raise ValueError(f"slots must be [{len(tokens)}] int64, got {tuple(slots.shape)} {slots.dtype}")
+        if self.disabled:
+            return 0
+        aligned = len(tokens) // self.page_size * self.page_size
+        if aligned == 0:
+            return 0
+        now = next(self._clock)
+        node, pos, present = self.root_of(namespace), 0, None
+        for node in self._walk_prefix(node, tokens):
+            node.last_access = now
+            node.hit_count += 1
+            if node.device_slots is None:  # host-only: everything below is too (closure)
+                present = pos if present is None else present
+                self._set_device(node, slots[pos:pos + len(node.key)].clone())
+            pos += len(node.key)
+        if pos < aligned:
+            leaf = self._add_leaf(node, tuple(tokens[pos:aligned]), slots[pos:aligned].clone())
+            leaf.last_access = now
+        return pos if present is None else present
+
+    def path(self, token_ids: Sequence[int], namespace: str = "") -> list[TreeNode]:
+        """The nodes of the cached page-aligned prefix of `token_ids`, root side first (no
+        access-time update; splits where the prefix ends inside a node, as `match` does)."""
+        root = self._roots.get(namespace)
+        if root is None or self.disabled:
+            return []
+        return list(self._walk_prefix(root, _as_tokens(token_ids)))
+
+    def _walk_prefix(self, root: TreeNode, tokens: Sequence[int]) -> Iterator[TreeNode]:
+        """Yields the nodes of the longest page-aligned cached prefix of `tokens`, splitting the
+        last one where the match ends inside it. Cost: proportional to the matched length."""
+        ps = self.page_size
+        end = len(tokens) // ps * ps
+        node, pos = root, 0
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                return
+            k = self._common_len(child.key, tokens, pos, end)
+            if k < len(child.key):
+                child = self._split(child, k)
+            yield child
+            node, pos = child, pos + k
+
+    def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], pos: int, end: int) -> int:
+        """Page-aligned length of the common prefix of `key` and tokens[pos:end] (the first page is
+        known to match). Whole-slice compare first, binary search over pages on a mismatch."""
+        ps = self.page_size
+        m = min(len(key), end - pos)
+        seg = tuple(tokens[pos:pos + m])
+        if key[:m] == seg:
+            return m
+        lo, hi = 1, m // ps  # pages: key[:lo*ps] matches; key[:hi*ps] does not (hi*ps == m failed)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key[:mid * ps] == seg[:mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * ps
+
+    # ---- structure ------------------------------------------------------------------------
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cuts `node` after k tokens (0 < k < len, page-aligned); returns the new upper node.
+
+        The lower part stays the same object, so locks and references held on it stay valid.
+        """
+        upper = TreeNode(node.key[:k], node.parent, node.namespace)
+        upper.device_slots = _slice(node.device_slots, 0, k)
+        upper.host_slots = _slice(node.host_slots, 0, k)
+        upper.lock_ref, upper.host_pin, upper.stale = node.lock_ref, node.host_pin, node.stale
+        upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        node.parent.children[self._page(upper.key)] = upper
+        node.key = node.key[k:]
+        node.device_slots = _slice(node.device_slots, k, None)
+        node.host_slots = _slice(node.host_slots, k, None)
+        node.parent = upper
+        upper.children[self._page(node.key)] = node
+        self._refresh(upper)
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], device_slots: torch.Tensor) -> TreeNode:
+        leaf = TreeNode(key, parent, parent.namespace)
+        parent.children[self._page(key)] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        self._set_device(leaf, device_slots)
+        return leaf
+
+    def _delete_leaf(self, node: TreeNode) -> TreeNode:
+        """Unlinks an unlocked leaf whose slots are already given back; returns its former parent."""
+        parent = node.parent
+        del parent.children[self._page(node.key)]
+        self._leaves.discard(node)
+        self._device_leaves.discard(node)
+        node.parent = None
+        self._refresh(parent)
+        if parent.children:
+            return parent
+        if not parent.is_root:
+            self._leaves.add(parent)
+        elif parent.namespace != "":
+            del self._roots[parent.namespace]  # empty tenant roots are dropped, not hoarded
+        return parent
+
+    def _page(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return key[:self.page_size]
+
+    # ---- locks ----------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """+1 lock_ref on `node` and its ancestors (not the root): the path cannot be evicted from
+        L1. The node must be on L1. Locking a root is a no-op. Pair every lock with one unlock of
+        the same node object."""
+        if self._check_attached(node):
+            return
+        if node.device_slots is None:
+            raise RuntimeError(f"lock of {node!r}, which is not on the device")
+        node.direct_locks += 1
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._locked += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undoes one `lock(node)`."""
+        if self._check_attached(node):
+            return
+        if node.direct_locks <= 0:
+            raise RuntimeError(f"unlock of {node!r} without a matching lock")
+        node.direct_locks -= 1
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._locked -= len(node.key)
+            node = node.parent
+
+    @staticmethod
+    def _check_attached(node: TreeNode) -> bool:
+        """True for a root (lock is a no-op); raises for a node no longer in the tree."""
+        if node.parent is None:
+            if node.key:
+                raise RuntimeError(f"{node!r} was deleted from the tree")
+            return True
+        return False
+
+
+    def evictable_tokens(self) -> int:
+        """L1 tokens in unlocked nodes (all of them can be evicted, leaves first)."""
+        return self._evictable
+
+    def locked_tokens(self) -> int:
+        return self._locked
+
+    def total_tokens(self) -> int:
+        """Tokens the tree holds on L1."""
+        return self._evictable + self._locked
+
+    def host_tokens(self) -> int:
+        """Tokens the tree holds on L2."""
+        return self._host
+
+    def reset(self) -> None:
+        """Frees every node's slots on both tiers and empties the tree; RuntimeError if any lock or
+        host pin is held."""
+        if self._locked:
+            raise RuntimeError(f"reset with {self._locked} locked tokens")
+        nodes = list(self.nodes())
+        if any(n.host_pin for n in nodes):
+            raise RuntimeError("reset with host pages pinned by in-flight transfers")
+        for node in nodes:
+            if node.device_slots is not None:
+                self.allocator.free(node.device_slots)
+            if node.host_slots is not None:
+                self.host_allocator.free(node.host_slots)
+            node.parent = None
+        self._init_state()
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node of every namespace, parents before children."""
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self, held_slots: torch.Tensor | None = None,
+                        expected_pins: dict[TreeNode, int] | None = None) -> None:
+        """Asserts the structural invariants, residency rules, lock counts and the slot accounting
+        against both allocators (see `hicache/tree/integrity.py`). `held_slots`: L1 slots running
+        requests hold; `expected_pins`: node -> pins the in-flight transfers account for (every
+        other node must have none). AssertionError names the first violation."""
+        check_tree(self, held_slots, expected_pins)

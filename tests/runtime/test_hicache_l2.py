@@ -1,0 +1,420 @@
+"""HiCache L2 end to end: the scheduler with a host tier.
+
+- Multi-turn on the default model (slow): with L1 room for about two conversations and L2 ten
+  times larger, greedy outputs equal the engine with the radix cache disabled and HF
+  transformers, and from the third turn on more than half of all prompt tokens come from host.
+- A randomized stress test on a tiny random 2-layer model that drives the Scheduler directly
+  (arrivals, aborts, retractions, evictions in both tiers, failed and late transfers, flushes)
+  and calls check_integrity() after every step.
+- Host-pool exhaustion, a failed transfer and an abort in the middle of a load-back.
+"""
+from __future__ import annotations
+
+import inspect
+import json.decoder
+import os
+import random
+import threading
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from hicache import Engine
+from hicache.config import HiCacheConfig
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.scheduler import Scheduler
+
+# ---------------------------------------------------------------------------------------------
+# Tiny model, Scheduler driven directly
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, **cache) -> Scheduler:
+    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
+                       max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96)
+    return Scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **cache))
+
+
+def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
+    """Steps until idle, checking integrity after every step; returns rid -> [output ids, meta, reason]."""
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        if not sched.has_work():
+            return out
+        collect(out, sched.step())
+        sched.check_integrity()
+    raise AssertionError("the scheduler did not go idle")
+
+
+def collect(out: dict, outputs) -> None:
+    for o in outputs:
+        rec = out.setdefault(o.rid, [[], None, None])
+        rec[0] += o.new_token_ids
+        rec[1], rec[2] = o.meta, o.finish_reason
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+class LateTransfer:
+    """Wraps the real engine so that transfers complete late, as on a GPU: a result shows up
+    one poll after the copy ran, or only once `hold` is cleared."""
+
+    def __init__(self, inner):
+        self.inner, self._ready, self.hold = inner, [], False
+
+    def backup(self, d, h):
+        return self.inner.backup(d, h)
+
+    def load(self, h, d, on_layer=None):
+        return self.inner.load(h, d, on_layer)
+
+    def poll(self):
+        if self.hold:
+            self._ready += self.inner.poll()
+            return []
+        out, self._ready = self._ready, self.inner.poll()
+        return out
+
+    def synchronize(self, ticket):
+        self._ready += self.inner.poll()
+        self.hold = False
+
+
+class Faults:
+    """Makes the host pool's copies (inside the transfer engine) raise: always while `on`, and
+    once for each `arm()`."""
+
+    def __init__(self, sched: Scheduler):
+        self.on, self.armed = False, 0
+        pool = sched.cache.host_pool
+        for name in ("get_layer", "set_layer"):
+            setattr(pool, name, self._wrap(getattr(pool, name)))
+
+    def arm(self) -> None:
+        self.armed += 1
+
+    def _wrap(self, real):
+        def call(*a, **k):
+            if self.on or self.armed:
+                self.armed = max(self.armed - 1, 0)
+                raise RuntimeError("injected transfer failure")
+            return real(*a, **k)
+        return call
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_config_path):
+    """Greedy outputs of the same dummy model with no cache at all, per prompt (memoised)."""
+    sched = tiny_scheduler(tiny_config_path, total=16384, running=128, disable_radix_cache=True)
+    memo: dict[tuple, list[int]] = {}
+
+    def outputs(prompts: list[tuple[list[int], int]]) -> list[list[int]]:
+        todo = [(p, n) for p, n in prompts if (tuple(p), n) not in memo]
+        for i, (p, n) in enumerate(todo):
+            sched.add_request(GenerateRequest(f"ref{i}", p, dict(GREEDY, max_new_tokens=n)))
+        got = drain(sched)
+        for i, (p, n) in enumerate(todo):
+            memo[(tuple(p), n)] = got[f"ref{i}"][0]
+        return [memo[(tuple(p), n)] for p, n in prompts]
+
+    return outputs
+
+
+@pytest.mark.parametrize("policy,layout,page_size,late", [
+    ("write_through", "layer_first", 1, False),
+    ("write_through_selective", "page_first", 4, True),
+    ("write_back", "page_first", 1, False),
+    ("write_back", "layer_first", 4, True),
+])
+def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size, late):
+    rng = random.Random(f"{policy}{layout}{page_size}{late}{os.environ.get('HICACHE_STRESS_SEED', '')}")
+    sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size,
+                           hicache_write_policy=policy, hicache_mem_layout=layout)
+    if late:
+        sched.cache.transfer = LateTransfer(sched.cache.transfer)
+    faults = Faults(sched)
+    stems = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
+    prompts, aborted, results, flushes = {}, set(), {}, 0
+    for step in range(200):
+        r = rng.random()
+        burst = step % 100 == 40  # more decoding than L1 holds: retractions
+        for k in range(5 if burst else 1 if r < 0.2 else 0):
+            rid = f"q{step}-{k}"
+            p = rng.choice(stems)[: rng.randrange(1, 61)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
+            prompts[rid] = (p, rng.randrange(30, 40) if burst else rng.randrange(1, 24))
+            sched.add_request(GenerateRequest(rid, p, dict(GREEDY, max_new_tokens=prompts[rid][1]),
+                                              cache_salt=rng.choice(["", "", "", "tenant"])))
+        if 0.2 <= r < 0.23 and (sched.running or sched.waiting):
+            victim = rng.choice(sched.running + sched.waiting).rid
+            aborted.add(victim)
+            sched.abort(victim)
+        if step % 100 == 99:  # go idle, then flush both tiers
+            collect(results, drain_all(sched))
+            flush(sched)
+            flushes += 1
+        if rng.random() < 0.03:
+            faults.arm()
+        collect(results, sched.step())
+        sched.check_integrity()
+    collect(results, drain_all(sched))
+    stats = sched.stats()
+    host = stats["tiers"]["host"]
+    assert stats["retractions"] > 0, stats
+    assert host["evicted_tokens"] > 0 and stats["tiers"]["device"]["evicted_tokens"] > 0, stats
+    assert host["loaded_back_tokens"] > 0 and host["transfer_failures"] > 0, host
+    done = [rid for rid in prompts if rid not in aborted]
+    want = reference_outputs([prompts[rid] for rid in done])
+    for rid, w in zip(done, want):
+        assert results[rid][0] == w, f"{rid}: output differs from the uncached reference"
+        details = results[rid][1]["cached_tokens_details"]
+        assert details["device"] + details["host"] == results[rid][1]["cached_tokens"]
+    flush(sched)
+    assert sched.tree.total_tokens() == sched.tree.host_tokens() == 0
+    assert sched.cache.host_pool.allocator.num_free_tokens() == sched.cache.host_pool.allocator.capacity_tokens()
+
+
+def flush(sched: Scheduler) -> None:
+    """flush_cache() once late transfers have landed (it refuses while any is in flight)."""
+    for _ in range(3):
+        if sched.flush_cache():
+            sched.check_integrity()
+            return
+        sched.step()
+    raise AssertionError("flush_cache kept refusing")
+
+
+def drain_all(sched):
+    outs = []
+    while sched.has_work():
+        outs += sched.step()
+        sched.check_integrity()
+    return outs
+
+
+def _two_rounds(sched, convs, new=4):
+    """Round 1 computes each prompt; round 2 asks each again, extended, after the others pushed it out."""
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=new)))
+        drain(sched)
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"b{i}", p + [7, 8, 9], dict(GREEDY, max_new_tokens=new)))
+    return drain(sched)
+
+
+def test_second_round_is_served_from_host(tiny_config_path, reference_outputs):
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    rng = random.Random(1)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
+    got = _two_rounds(sched, convs)
+    want = reference_outputs([(p + [7, 8, 9], 4) for p in convs])
+    for i, w in enumerate(want):
+        out, meta, _ = got[f"b{i}"]
+        assert out == w and meta["cached_tokens"] == 60
+    assert got["b0"][1]["cached_tokens_details"] == {"device": 0, "host": 60, "storage": 0}
+    stats = sched.stats()
+    assert stats["tokens"]["cached"]["host"] >= 2 * 60
+    host = stats["tiers"]["host"]
+    assert host["enabled"] and host["capacity_tokens"] == 1024 and host["loaded_back_tokens"] >= 2 * 60
+    assert host["backed_up_bytes"] == host["backed_up_tokens"] * host["bytes_per_token"] > 0
+    assert set(stats["tiers"]["device"]) <= set(host)  # same keys as the device tier, and more
+
+
+def test_host_pool_exhaustion_recomputes(tiny_config_path, reference_outputs):
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=0.5)  # L2 holds 64 tokens
+    rng = random.Random(2)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
+    got = _two_rounds(sched, convs)
+    want = reference_outputs([(p + [7, 8, 9], 4) for p in convs])
+    assert [got[f"b{i}"][0] for i in range(4)] == want
+    host = sched.stats()["tiers"]["host"]
+    assert host["used_tokens"] <= 64 and host["evicted_tokens"] > 0
+    assert sched.flush_cache()
+    sched.check_integrity()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference_outputs, late):
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    if late:
+        sched.cache.transfer = LateTransfer(sched.cache.transfer)
+    faults = Faults(sched)
+    rng = random.Random(3)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        drain(sched)
+    faults.on = True  # every load-back (and backup) now fails
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"b{i}", p + [7], dict(GREEDY, max_new_tokens=4)))
+    got = drain(sched)
+    faults.on = False
+    want = reference_outputs([(p + [7], 4) for p in convs])
+    assert [got[f"b{i}"][0] for i in range(3)] == want
+    assert sched.stats()["tiers"]["host"]["transfer_failures"] > 0
+    if late:  # the request was admitted with its load in flight, then recomputed without it
+        assert sched.stats()["retractions"] > 0
+    assert sched.flush_cache()
+    sched.check_integrity()
+
+
+def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs):
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    late = LateTransfer(sched.cache.transfer)
+    sched.cache.transfer = late
+    rng = random.Random(4)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        drain(sched)
+    sched.add_request(GenerateRequest("b0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
+    late.hold = True  # the copy will not land until released
+    assert sched.schedule() is None  # admitted, its load-back in flight: nothing to run yet
+    assert sched.running and sched.running[0].wait_tickets
+    sched.check_integrity()
+    sched.abort("b0")
+    sched.check_integrity()
+    assert not sched.flush_cache()  # the copy still pins its pages
+    out = drain_all(sched)
+    assert sched.stats()["tiers"]["host"]["in_flight"] >= 1
+    late.hold = False
+    assert out and out[-1].finish_reason == {"type": "abort"}
+    sched.schedule()  # folds in the landed copy
+    sched.check_integrity()
+    assert sched.flush_cache()
+    sched.check_integrity()
+    sched.add_request(GenerateRequest("c0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
+    assert drain(sched)["c0"][0] == reference_outputs([(convs[0] + [5], 4)])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn on the default model
+# ---------------------------------------------------------------------------------------------
+
+# Tokens: the shared system prompt, each user turn (a message with a pasted document or tool
+# result), each answer. The system prompt stays on L1 (every request uses it), so the host part is
+# the conversation's history: for it to pass half the prompt by turn 3, a turn must outweigh the
+# system prompt. Small numbers keep the uncached reference (every prompt recomputed) CI-sized.
+SYSTEM, TURN, NEW = 48, 64, 8
+CONVERSATIONS, TURNS = 20, 6
+# Two final-length conversations fit in L1 (the shared system prompt counted once).
+L1_TOKENS = SYSTEM + 2 * TURNS * (TURN + NEW) + 64
+
+
+class Workload(NamedTuple):
+    system: list[int]
+    turns: list[list[list[int]]]  # [conversation][turn] user tokens
+
+    def prompt(self, conv: int, turn: int, answers: list[list[list[int]]]) -> list[int]:
+        ids = list(self.system)
+        for t in range(turn):
+            ids += self.turns[conv][t] + answers[conv][t]
+        return ids + self.turns[conv][turn]
+
+
+@pytest.fixture(scope="module")
+def workload(hf_reference) -> Workload:
+    text = "\n\n".join(inspect.getsource(m) for m in (json.decoder, threading, inspect))
+    corpus = hf_reference.tokenizer(text)["input_ids"]
+    need = SYSTEM + CONVERSATIONS * TURNS * TURN
+    assert len(corpus) >= need
+    pos = iter(range(SYSTEM, need, TURN))
+    turns = [[corpus[next(pos):][:TURN] for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+    return Workload(corpus[:SYSTEM], turns)
+
+
+class Run(NamedTuple):
+    answers: list[list[list[int]]]  # [conversation][turn]
+    metas: list[list[dict]]
+
+
+def converse(engine: Engine, w: Workload, convs: range) -> Run:
+    """Turn by turn, every conversation's next turn submitted together (greedy, NEW tokens each)."""
+    answers = [[] for _ in range(CONVERSATIONS)]
+    metas = [[] for _ in range(CONVERSATIONS)]
+    for t in range(TURNS):
+        prompts = [w.prompt(c, t, answers) for c in convs]
+        outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=NEW))
+        for c, o in zip(convs, outs):
+            answers[c].append(o["output_ids"])
+            metas[c].append(o["meta_info"])
+    engine.check_integrity()
+    return Run(answers, metas)
+
+
+@pytest.fixture(scope="module")
+def uncached(default_model_path, workload) -> Run:
+    """The same engine with the radix cache disabled (and so no L2): the reference outputs."""
+    with Engine(str(default_model_path), max_total_tokens=40_000, disable_radix_cache=True) as engine:
+        return converse(engine, workload, range(CONVERSATIONS))
+
+
+def host_fraction_by_turn(run: Run, convs: range) -> list[float]:
+    out = []
+    for t in range(TURNS):
+        host = sum(run.metas[c][t]["cached_tokens_details"]["host"] for c in convs)
+        prompt = sum(run.metas[c][t]["prompt_tokens"] for c in convs)
+        out.append(host / prompt)
+    return out
+
+
+def assert_same_answers(run: Run, ref: Run, convs: range) -> None:
+    for c in convs:
+        for t in range(TURNS):
+            assert run.answers[c][t] == ref.answers[c][t], f"conversation {c}, turn {t + 1} differs"
+
+
+def l2_engine(path, **options) -> Engine:
+    return Engine(str(path), max_total_tokens=L1_TOKENS, hicache_ratio=10.0, **options)
+
+
+@pytest.mark.slow
+def test_multi_turn_twenty_conversations_served_from_host(default_model_path, workload, uncached, hf_reference):
+    convs = range(CONVERSATIONS)
+    with l2_engine(default_model_path) as engine:
+        run = converse(engine, workload, convs)
+        stats = engine.get_stats()
+    assert_same_answers(run, uncached, convs)
+    fractions = host_fraction_by_turn(run, convs)
+    print("host-served fraction by turn:", [round(f, 3) for f in fractions], stats["tiers"]["host"])
+    assert all(f > 0.5 for f in fractions[2:]), fractions
+    assert stats["tiers"]["host"]["capacity_tokens"] == 10 * stats["tiers"]["device"]["capacity_tokens"]
+    assert stats["tokens"]["cached"]["host"] == sum(m["cached_tokens_details"]["host"] for ms in run.metas for m in ms)
+    assert_matches_hf(hf_reference.model, workload, run, convs)
+
+
+def assert_matches_hf(model, w: Workload, run: Run, convs) -> None:
+    """Teacher-forced check: one HF forward over each conversation's whole final sequence; at
+    every answer position, HF's greedy choice is the token the engine produced."""
+    with torch.inference_mode():
+        for c in convs:
+            seq, positions = list(w.system), []
+            for t in range(TURNS):
+                seq += w.turns[c][t]
+                positions += range(len(seq), len(seq) + NEW)
+                seq += run.answers[c][t]
+            logits = model(torch.tensor([seq])).logits[0]
+            predicted = logits[[p - 1 for p in positions]].argmax(-1).tolist()
+            assert predicted == [seq[p] for p in positions], f"conversation {c} differs from HF"
+
+
+VARIANT_CONVS = range(10)  # more than L1 holds at turn 3, so every history comes from L2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    pytest.param({"hicache_write_policy": "write_through_selective", "hicache_mem_layout": "page_first"},
+                 id="selective-page_first"),
+    pytest.param({"hicache_write_policy": "write_back", "hicache_mem_layout": "layer_first"}, id="write_back-layer_first"),
+    pytest.param({"hicache_write_policy": "write_through", "hicache_mem_layout": "page_first", "page_size": 8},
+                 id="write_through-page_first-page8"),
+])
+def test_multi_turn_each_policy_and_layout(default_model_path, workload, uncached, options):
+    with l2_engine(default_model_path, **options) as engine:
+        run = converse(engine, workload, VARIANT_CONVS)
+    assert_same_answers(run, uncached, VARIANT_CONVS)
+    fractions = host_fraction_by_turn(run, VARIANT_CONVS)
+    print(options, "host-served fraction by turn:", [round(f, 3) for f in fractions])
+    assert all(f > 0.5 for f in fractions[2:]), fractions
