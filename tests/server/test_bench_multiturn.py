@@ -1,0 +1,117 @@
+"""The benchmark suite against a live server: benchmarks/multiturn.py (native and OpenAI clients) and
+benchmarks/long_context.py run as scripts for a tiny workload; the JSON lines they append are
+checked, then fed to compare.py's table and plots."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server_harness import start_server
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+CLIENTS, ROUNDS, QUESTION, OUTPUT, PAGE = 4, 3, 32, 4, 16
+
+
+def storage_off() -> list[str]:
+    """`--hicache-storage-backend none` where the server has an L3 tier, so no test writes to the user's."""
+    out = subprocess.run([sys.executable, "-m", "hicache.server.cli", "serve", "--help"], capture_output=True,
+                         text=True, timeout=120).stdout
+    return ["--hicache-storage-backend", "none"] if "--hicache-storage-backend" in out else []
+
+
+@pytest.fixture(scope="module")
+def small_l1_server():
+    """L1 holds under half of the multi-turn working set (4 x 108 tokens); L2 holds all of it."""
+    handle = start_server("--max-total-tokens", "192", "--page-size", str(PAGE), "--hicache-ratio", "4",
+                          "--chunked-prefill-size", "128", "--max-running-requests", "8", *storage_off())
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def run_bench(script: str, url: str, log: Path, *args: str) -> dict:
+    cmd = [sys.executable, str(BENCH / script), "--url", url, "--log-file", str(log), "--output-length", str(OUTPUT), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cache hit rate" in proc.stdout
+    lines = log.read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def check_latencies(result: dict) -> None:
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        stats = result[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], (key, stats)
+    assert result["ttft_ms"]["p50"] <= result["e2e_ms"]["p99"]
+    assert result["input_token_throughput"] > 0 and result["output_token_throughput"] > 0
+    assert result["request_throughput"] > 0
+
+
+def test_multiturn_native(small_l1_server, tmp_path):
+    log = tmp_path / "mt.jsonl"
+    result = run_bench("multiturn.py", small_l1_server.url, log, "--num-clients", str(CLIENTS), "--num-rounds",
+                       str(ROUNDS), "--request-length", str(QUESTION), "--max-parallel", "4", "--round-barrier",
+                       "--request-rate", "50", "--seed", "3")
+    assert result["benchmark"] == "multiturn" and result["requests"] == CLIENTS * ROUNDS
+    assert result["completion_tokens"] == CLIENTS * ROUNDS * OUTPUT
+    # round r sends every earlier question and answer: (r + 1) questions and r answers, exactly (input ids)
+    assert [r["prompt_tokens"] for r in result["rounds"]] == [CLIENTS * ((r + 1) * QUESTION + r * OUTPUT)
+                                                              for r in range(ROUNDS)]
+    assert [r["requests"] for r in result["rounds"]] == [CLIENTS] * ROUNDS
+    assert result["working_set_tokens"] == CLIENTS * ROUNDS * (QUESTION + OUTPUT)
+    rounds = result["rounds"]
+    assert rounds[0]["cache_hit_rate"] == 0  # flushed at the start, distinct random questions
+    for r in rounds[1:]:
+        assert r["cache_hit_rate"] > 0, r
+        # at most what the earlier rounds computed: the previous prompt and its answer
+        assert r["cached_tokens"] <= CLIENTS * (r["round"] * (QUESTION + OUTPUT))
+    tiers = result["hit_rate_by_tier"]
+    assert tiers["host"] > 0, tiers  # L1 is too small to keep every conversation
+    assert sum(tiers.values()) == pytest.approx(result["cache_hit_rate"], abs=1e-3)
+    check_latencies(result)
+    again = run_bench("multiturn.py", small_l1_server.url, log, "--num-clients", "2", "--num-rounds", "2",
+                      "--request-length", "16")
+    assert len(log.read_text().splitlines()) == 2 and again["requests"] == 4  # appended, not overwritten
+
+
+def test_multiturn_openai(small_l1_server, tmp_path):
+    result = run_bench("multiturn.py", small_l1_server.url, tmp_path / "oa.jsonl", "--api", "openai",
+                       "--num-clients", "2", "--num-rounds", "2", "--request-length", "24", "--distribution",
+                       "uniform", "--request-rate", "20")
+    assert result["api"] == "openai" and result["requests"] == 4
+    assert result["args"]["model"]  # named from /v1/models
+    r0, r1 = result["rounds"]
+    assert r1["prompt_tokens"] > r0["prompt_tokens"] + 2 * 24  # the history (with the answers) is resent
+    assert r1["cache_hit_rate"] > 0
+    check_latencies(result)
+
+
+def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
+    result = run_bench("long_context.py", small_l1_server.url, tmp_path / "lc.jsonl", "--num-docs", "2",
+                       "--doc-length", "64", "96", "--questions-per-doc", "3", "--question-length", "8",
+                       "--max-parallel", "2", "--round-barrier")
+    assert result["benchmark"] == "long_context" and result["requests"] == 6
+    assert [r["requests"] for r in result["rounds"]] == [2, 2, 2]
+    assert result["rounds"][0]["cache_hit_rate"] == 0
+    assert all(r["cache_hit_rate"] > 0 for r in result["rounds"][1:])  # the documents are reused
+
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(BENCH))
+    results = [dict(result, tag=name, server={"capacity_tokens": {"device": 192, "host": 768, "storage": 0}})
+               for name in ("L1", "L1+L2")]
+    md = compare.markdown(results, "compare.py --test", 1000, 192)
+    assert md.count("\n| L1") == 6 and "round 2" in md  # three tables, two configurations
+    compare.plot(results, tmp_path, "t")
+    for suffix in ("ttft_by_round", "throughput", "hit_rate_by_round"):
+        assert (tmp_path / f"t_{suffix}.png").stat().st_size > 1000
