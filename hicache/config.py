@@ -1,11 +1,14 @@
 """`HiCacheConfig`: the cache brain's options. CLI defaults are read from here."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
 IO_BACKENDS = ("direct", "kernel")
+STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,9 @@ class HiCacheConfig:
     hicache_write_policy: str = field(default="write_through", metadata={"help": "When device KV is copied to host: write_through (on insert), write_through_selective (on the second hit) or write_back (on eviction)."})
     hicache_mem_layout: str = field(default="layer_first", metadata={"help": "Host pool layout: layer_first (per-layer contiguous, like L1) or page_first (all layers of a page contiguous)."})
     hicache_io_backend: str = field(default="kernel", metadata={"help": "Host <-> device copies: kernel (gather/scatter kernels on CUDA) or direct (torch index copies); plain torch copies on CPU either way."})
+    hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, batch_pages, backup_queue_pages."})
+    hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -33,6 +39,12 @@ class HiCacheConfig:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
+        _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
+        _choice("hicache_storage_prefetch_policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
+        extra = self.hicache_storage_backend_extra_config
+        if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form
+            object.__setattr__(self, "hicache_storage_backend_extra_config", json.dumps(extra))
+        parse_extra(self.hicache_storage_backend_extra_config)  # a bad JSON fails now, not at the first request
         if self.disable_hierarchical_cache:  # one source of truth afterwards: enable_hierarchical_cache
             object.__setattr__(self, "enable_hierarchical_cache", False)
 
@@ -40,6 +52,28 @@ class HiCacheConfig:
     def hierarchical(self) -> bool:
         """Whether L2 is in use: asked for, and there is a radix cache to keep in it."""
         return self.enable_hierarchical_cache and not self.disable_radix_cache
+
+    @property
+    def storage(self) -> bool:
+        """Whether L3 is in use: a backend is named and L2 is on (L3 pages pass through L2)."""
+        return self.hierarchical and self.hicache_storage_backend != "none"
+
+    @property
+    def storage_extra(self) -> dict:
+        return parse_extra(self.hicache_storage_backend_extra_config)
+
+
+def parse_extra(text: str | None) -> dict:
+    """hicache_storage_backend_extra_config parsed (ValueError unless a JSON object)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hicache_storage_backend_extra_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
+    return value
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -8,6 +8,8 @@ over the radix tree, through the tier protocols only (no concrete tier, no CUDA)
   second insert, `write_back` only when L1 evicts them.
 - eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the
   others (under write_back: copies them down first); L2 deletes host-only leaves no transfer pins.
+- L3 (optional, `attach_storage`): `hicache/storage.py` prefetches into L2 and backs up every
+  finished L1 -> L2 copy.
 - transfers are tickets; `poll()` folds in the finished ones (unpin, unlock, account) and never
   blocks. A failed backup leaves the node on L1 only; a failed load marks the loaded nodes stale
   (never matched again, dropped from L1 once unlocked) and is reported so the scheduler recomputes
@@ -24,8 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.tiers.base import HostPool, TransferEngine, TransferResult
-from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.storage import StorageController, StorageOptions
+from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
+from hicache.tree import MatchResult, RadixTree, TreeNode, nodes_covering
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,14 @@ class CacheController:
         self._failed: dict[int, _Op] = {}  # failed loads not yet reported by poll(): still "pending"
         self._stale: list[TreeNode] = []
         self.counters = collections.Counter()
+        self.storage: StorageController | None = None
+
+    def attach_storage(self, engine: StorageEngine, seed: bytes, options: StorageOptions, backend: str) -> None:
+        """Adds L3 over `engine`; `seed` is the namespace seed of the page keys (DESIGN §3)."""
+        if not self.enabled:
+            raise ValueError("L3 needs the host tier (L2)")
+        self.storage = StorageController(self.tree, engine, seed, options, self._alloc_host, backend,
+                                         self.host_pool.bytes_per_token())
 
     @property
     def disabled(self) -> bool:
@@ -249,6 +260,8 @@ class CacheController:
         them, then call `drop_stale()`."""
         self.drop_stale()
         self._collect()
+        if self.storage is not None:
+            self.storage.poll()
         failed, self._failed = frozenset(self._failed), {}
         return failed
 
@@ -271,6 +284,8 @@ class CacheController:
             self.counters[f"{kind}_tokens"] += res.tokens
             self.counters[f"{kind}_bytes"] += res.nbytes
             self.counters["load_back_seconds" if op.kind == "load" else "backup_seconds"] += res.seconds
+            if op.kind == "backup" and self.storage is not None:
+                self.storage.backup(nodes)
             return
         self.counters["transfer_failures"] += 1
         logger.warning("%s of %d tokens failed: %s", op.kind, op.tokens, res.error)
@@ -285,16 +300,7 @@ class CacheController:
             self._failed[res.ticket] = op
 
     def _op_nodes(self, op: _Op) -> list[TreeNode]:
-        """The nodes now covering an op's pieces: each piece's node and, if it was split, the
-        ancestors split off it."""
-        out = []
-        for node, tokens in op.pieces:
-            covered = 0
-            while covered < tokens and node is not None and node.parent is not None:
-                out.append(node)
-                covered += len(node.key)
-                node = node.parent
-        return out
+        return nodes_covering(op.pieces)
 
     def drop_stale(self) -> None:
         """Drops the L1 copies of nodes whose load failed, deepest first, once nothing locks them
@@ -312,7 +318,7 @@ class CacheController:
     def flush(self) -> bool:
         """Empties L1 and L2 (the caller has no running request). False while transfers run."""
         self._collect()
-        if self._ops:
+        if self._ops or (self.storage is not None and not self.storage.quiesce()):
             return False
         self.tree.reset()
         self._stale = []
@@ -339,13 +345,16 @@ class CacheController:
         for op in self._ops.values():
             for node in self._op_nodes(op):
                 pins[node] += 1
+        if self.storage is not None:
+            pins.update(self.storage.pins())
         return pins
 
     def check_integrity(self, held_slots: torch.Tensor | None = None,
                         request_locks: dict[TreeNode, int] | None = None) -> None:
         """The tree's checks, with pins accounted for by in-flight transfers and, given
         `request_locks` (node -> running requests locking it), direct locks = requests + transfers."""
-        self.tree.check_integrity(held_slots, self.expected_pins())
+        self.tree.check_integrity(held_slots, self.expected_pins(),
+                                  self.storage.held_host_slots() if self.storage is not None else None)
         if request_locks is None:
             return
         want = collections.Counter({n: c for n, c in request_locks.items() if n.parent is not None})

@@ -3,21 +3,27 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from hicache.config import HiCacheConfig
 from hicache.controller import CacheController
+from hicache.pagekey import namespace_seed
+from hicache.runtime.default_model import hicache_home
 from hicache.runtime.attention import make_attention_backend
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.runner import ModelRunner
-from hicache.runtime.weights import load_model
+from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 from hicache.tiers.host.pool import HostKVPool, host_pool_tokens
+from hicache.storage import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
+from hicache.tiers.remote import make_backend
+from hicache.tiers.remote.worker import StorageWorker
 from hicache.tree import RadixTree
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,8 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
                      host_allocator=host_pool.allocator if host_pool is not None else None)
     transfer = HostTransferEngine(pool, host_pool, cc.hicache_io_backend) if host_pool is not None else None
     cache = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
+    if cc.storage and cache.enabled:
+        attach_storage(cache, cc, rc, loaded, host_pool)
     runner = ModelRunner(loaded.model, pool, req_table, make_attention_backend(rc.attention_backend, cfg.head_dim), device)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
                 pool.num_slots * pool.bytes_per_token() / 2**20, context)
@@ -70,6 +78,33 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
                 "pinned" if host.pinned else "not pinned", cc.hicache_write_policy)
     return host
+
+
+def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel,
+                   host_pool: HostKVPool) -> None:
+    """L3: the backend named by `hicache_storage_backend`, its I/O worker over the host pool, and
+    the page-key namespace (DESIGN §3: model, KV dtype, page size, layout, TP rank and size)."""
+    options, backend_options = StorageOptions.split(cc.hicache_storage_prefetch_policy, cc.storage_extra)
+    if cc.hicache_storage_backend == "lmdb":
+        backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
+    seed = namespace_seed(model_fingerprint(rc, loaded), host_pool.buffer.dtype, cc.page_size, cc.hicache_mem_layout,
+                          "tp0/1")
+    backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], **backend_options)
+    cache.attach_storage(StorageWorker(backend, host_pool, options.batch_pages), seed, options,
+                         cc.hicache_storage_backend)
+    logger.info("L3 %s storage: %s (prefetch %s from %d tokens)", cc.hicache_storage_backend,
+                backend_options.get("path") or backend_options.get("url") or "in memory", options.policy,
+                options.prefetch_threshold)
+
+
+def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
+    """The architecture's fingerprint plus what identifies the weights wherever they live: the
+    weight files' names and sizes, or the seed of dummy weights."""
+    if rc.load_format == "dummy":
+        return f"{loaded.config.fingerprint}:dummy:{rc.random_seed}"
+    path = Path(loaded.path)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".gguf", ".safetensors"))
+    return loaded.config.fingerprint + ":" + ",".join(f"{p.name}:{p.stat().st_size}" for p in files)
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -115,6 +115,8 @@ class Engine:
         self._stopped = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.scheduler.close()
 
     def __enter__(self) -> Engine:
         return self

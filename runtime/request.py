@@ -30,7 +30,9 @@ class Req:
         self.prefix_len = 0
         self.last_node = None
         self.cached_tokens: int | None = None  # prefix served from cache at first admission
-        self.cached_host = 0  # the part of cached_tokens loaded back from L2
+        self.cached_host = 0  # the part of cached_tokens loaded back from L2 (and in L2 before it arrived)
+        self.cached_storage = 0  # the part of cached_tokens that its L3 prefetch brought into L2
+        self.storage_range = (0, 0)  # prompt tokens [start, end) its committed L3 prefetch inserted
         self.wait_tickets: frozenset[int] = frozenset()  # in-flight load-backs its prefix needs
         self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
         self.finish_reason: dict | None = None

@@ -41,7 +41,8 @@ class Scheduler:
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0,
+        self.storage = self.cache.storage  # L3 prefetch and backup (None when off)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
                              retractions=0, requests_finished=0, requests_aborted=0)
 
     # ---- front-end calls -------------------------------------------------------------------
@@ -80,12 +81,16 @@ class Scheduler:
             self._finish(req, {"type": "length", "length": 0})
             return
         self.waiting.append(req)
+        if self.storage is not None:
+            self.storage.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
     def abort(self, rid: str) -> None:
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
+                    if self.storage is not None:
+                        self.storage.revoke(rid)
                     self._release(req)
                     self.counters["requests_aborted"] += 1
                     self._finish(req, {"type": "abort"})
@@ -98,8 +103,15 @@ class Scheduler:
         plan = self.schedule()
         if plan is not None:
             self.process_result(plan, self.runner.run(plan))
+        elif self.storage is not None and self.storage.waiting():  # nothing to run until L3 answers
+            self.storage.wait(0.01)
         outs, self._outputs = self._outputs, []
         return outs
+
+    def close(self) -> None:
+        """Stops the L3 I/O threads (after their in-flight writes)."""
+        if self.storage is not None:
+            self.storage.close()
 
     def flush_cache(self) -> bool:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
@@ -137,6 +149,8 @@ class Scheduler:
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.rc.max_running_requests:
                 break
+            if not self._storage_ready(req):
+                continue
             n = self._admit(req, budget)
             if n == 0:
                 break
@@ -144,6 +158,18 @@ class Scheduler:
                 budget -= n
                 self._add_chunk(plan, req, n, allocated=True)
         return plan if plan.reqs else None
+
+    def _storage_ready(self, req: Req) -> bool:
+        """False while the prefetch policy keeps `req` waiting for its L3 pages; once it lets the
+        request go, what landed is in the tree (host-only) and `req.storage_range` names it."""
+        if self.storage is None:
+            return True
+        got = self.storage.ready(req.rid)
+        if got is None:
+            return False
+        if got.end > got.start:
+            req.storage_range = (got.start, got.end)
+        return True
 
     def _ordered_waiting(self) -> list[Req]:
         if self.rc.schedule_policy == "fcfs" or self.cache.disabled:
@@ -183,9 +209,12 @@ class Scheduler:
         self.running.append(req)
         req.wait_tickets = self.cache.pending_loads(req.last_node)
         if req.cached_tokens is None:
-            req.cached_tokens, req.cached_host = prefix, host
+            start, end = req.storage_range  # the loaded-back part [prefix - host, prefix) may include it
+            storage = max(0, min(end, prefix) - max(start, prefix - host))
+            req.cached_tokens, req.cached_host, req.cached_storage = prefix, host - storage, storage
             self.counters["cached_device"] += prefix - host
-            self.counters["cached_host"] += host
+            self.counters["cached_host"] += host - storage
+            self.counters["cached_storage"] += storage
         return n
 
     def _load_back(self, req: Req, match, budget: int, headroom: int) -> int | None:
@@ -302,9 +331,10 @@ class Scheduler:
         self._emit(req, [], reason, None)
 
     def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
-        cached, host = req.cached_tokens or 0, req.cached_host
+        cached, host, storage = req.cached_tokens or 0, req.cached_host, req.cached_storage
+        details = {"device": cached - host - storage, "host": host, "storage": storage}
         meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": cached, "cached_tokens_details": {"device": cached - host, "host": host, "storage": 0}}
+                "cached_tokens": cached, "cached_tokens_details": details}
         self._outputs.append(TokenOutput(req.rid, new_ids, reason, meta, logprobs))
 
     # ---- introspection ---------------------------------------------------------------------
@@ -326,10 +356,12 @@ class Scheduler:
                   "hit_tokens": c["cached_device"], "evicted_tokens": self.cache.counters["device_evicted_tokens"],
                   "bytes_per_token": self.pool.bytes_per_token()}
         host = dict(self.cache.host_stats(), hit_tokens=c["cached_host"]) if self.cache.enabled else None
+        storage = dict(self.storage.stats(), hit_tokens=c["cached_storage"]) if self.storage is not None else None
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
         return {"running": len(self.running), "queued": len(self.waiting), "pages_held": self.pages_held(),
                 "page_size": self.page_size, "retractions": c["retractions"],
                 "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
-                "tiers": {"device": device, "host": host or dict(empty), "storage": dict(empty)},
+                "tiers": {"device": device, "host": host or dict(empty), "storage": storage or dict(empty)},
                 "tokens": {"prompt": c["prompt_tokens"], "generation": c["generation_tokens"],
-                           "cached": {"device": c["cached_device"], "host": c["cached_host"], "storage": 0}}}
+                           "cached": {"device": c["cached_device"], "host": c["cached_host"],
+                                      "storage": c["cached_storage"]}}}

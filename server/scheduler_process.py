@@ -61,6 +61,7 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
         sched = _build(factory, runtime_kwargs, cache_kwargs)
         outbox.send(pack([_ready(sched)]))
         SchedulerLoop(sched, inbox, outbox, parent_pid).run()
+        sched.close()
     except Exception as e:  # report, then die: the HTTP process turns this into 503s
         traceback.print_exc()
         outbox.send(pack([SchedulerFailed(error=f"{type(e).__name__}: {e}")]))

@@ -6,6 +6,8 @@
 - `tiny_config_path` / `llama31_config_path`: configs under benchmarks/configs.
 - `prompt_logits`: fn(model, ids: list[int]) -> [T, vocab] fp32 logits of a whole prompt, through
   a test-only single-sequence attention backend (`SimpleAttention`).
+- autouse: a private `$HICACHE_HOME` per test module and per test (see `private_home`).
+- `redis_server`: a real redis-server on a free port, stopped after the test (`RedisServer`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hicache.runtime.default_model import hicache_home
+
 REPO = Path(__file__).resolve().parents[1]
+
+# L3 is on by default and lives under $HICACHE_HOME (LMDB in storage/lmdb), so that a test never
+# reads pages stored by an earlier run or another test, every test module (for its module-scoped
+# engines and servers) and every test gets a home of its own. The other entries of the real home
+# (the fetched model, saved tokenizers) are symlinked in, so nothing is fetched twice. Server
+# processes inherit the variable.
+REAL_HOME = hicache_home()
+SHARED_HOME_ENTRIES = ("models", "tokenizers")
+
+
+def private_home(base: Path) -> Path:
+    for name in SHARED_HOME_ENTRIES:
+        (REAL_HOME / name).mkdir(parents=True, exist_ok=True)
+        (base / name).symlink_to(REAL_HOME / name)
+    return base
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_home(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HICACHE_HOME", str(private_home(tmp_path_factory.mktemp("home"))))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HICACHE_HOME", str(private_home(tmp_path_factory.mktemp("home"))))
 
 
 class SimpleAttention:
@@ -101,3 +132,58 @@ def tiny_config_path() -> Path:
 @pytest.fixture(scope="session")
 def llama31_config_path() -> Path:
     return REPO / "benchmarks" / "configs" / "llama-3.1-8b.json"
+
+
+class RedisServer:
+    """A real `redis-server` on 127.0.0.1 and a free port, no persistence; `stop()` kills it (as
+    a crash would), `start()` brings it back on the same port, empty."""
+
+    def __init__(self, workdir: Path):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = workdir
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A running real Redis (skipped where redis-server is not installed; CI installs it)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

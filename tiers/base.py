@@ -117,6 +117,10 @@ class HostPool(Protocol):
 
     def bytes_per_token(self) -> int: ...
 
+    def page(self, first_slot: int) -> torch.Tensor:
+        """The page at `first_slot` as a [2, L, page_size, H, D] view of the pool (for L3 I/O)."""
+        ...
+
 
 class TransferResult(NamedTuple):
     """A finished device <-> host transfer, as `TransferEngine.poll()` reports it."""
@@ -150,3 +154,87 @@ class TransferEngine(Protocol):
     def poll(self) -> list[TransferResult]: ...
 
     def synchronize(self, ticket: int) -> None: ...
+
+
+class StorageBackend(Protocol):
+    """L3: a key-value store of KV pages (LMDB, Redis, in-memory). Keys are `PageKey.digest` hex
+    strings; a value holds one page (K and V of every layer) framed with a header and a checksum
+    (`tiers/remote/framing.py`).
+
+    `batch_exists(keys)` answers how many leading keys exist (keys are chained, so a prefix is what
+    matters). `batch_get(keys, pages)` fills each page tensor (a host view [2, L, page_size, H, D],
+    the host pool's dtype, possibly not contiguous) in place and returns one bool per key: False for
+    a miss, a corrupt value (counted, never copied) or a failure. `batch_set(keys, pages)` stores
+    pages whose keys are absent and returns how many it wrote. Connection and I/O errors raise
+    (the I/O worker counts them as misses). Only the storage I/O threads call these.
+    `status()` is "ok" or "degraded: <why>"; `probe()` retries a degraded backend's connection.
+    """
+
+    name: str
+
+    def batch_exists(self, keys: list[str]) -> int: ...
+
+    def batch_get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]: ...
+
+    def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int: ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def status(self) -> str: ...
+
+    def probe(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StorageResult(NamedTuple):
+    """A finished L3 operation, as `StorageEngine.poll()` reports it."""
+
+    ticket: int
+    kind: str  # "query" (pages = leading keys L3 holds) | "fetch" (pages landed) | "backup" (pages written)
+    ok: bool
+    pages: int  # query: hits; fetch: a prefix of the keys whose pages are in host memory; backup: written
+    skipped: int = 0  # backup: pages L3 already held
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class StorageEngine(Protocol):
+    """Moves pages between L2 (host pages) and an L3 backend on worker threads. Only the scheduler
+    thread calls these; every call returns at once and the outcome shows up in `poll()`.
+
+    `query(keys)`: how many leading keys L3 holds. `fetch(keys, host_slots)`: copies the pages of
+    `keys` into the host pages `host_slots` ([len(keys) * page_size] int64, CPU), in batches, in
+    order, stopping at the first miss; `progress(ticket)` is the number of leading pages already
+    landed (they will not be touched again). `backup(keys, host_slots)`: stores those host pages
+    under `keys`, skipping keys L3 has. `cancel(ticket)` stops an operation after its current batch.
+    The caller keeps the host pages of an operation allocated until its result has been polled.
+    `wait(timeout)` blocks until some result is ready (or the timeout).
+    """
+
+    def query(self, keys: list[str]) -> int: ...
+
+    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int: ...
+
+    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int: ...
+
+    def progress(self, ticket: int) -> int: ...
+
+    def cancel(self, ticket: int) -> None: ...
+
+    def poll(self) -> list[StorageResult]: ...
+
+    def wait(self, timeout: float) -> None: ...
+
+    def quiesce(self, timeout: float) -> bool: ...
+
+    def status(self) -> str: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...

@@ -20,7 +20,7 @@ A running request `lock`s its matched node so the path cannot be evicted from L1
 """
 from __future__ import annotations
 
-from hicache.tree.node import MatchResult, TreeNode
+from hicache.tree.node import MatchResult, TreeNode, nodes_covering
 from hicache.tree.radix import RadixTree
 
-__all__ = ["MatchResult", "RadixTree", "TreeNode"]
+__all__ = ["MatchResult", "RadixTree", "TreeNode", "nodes_covering"]

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 
 def check_tree(tree: RadixTree, held_slots: torch.Tensor | None = None,
-               expected_pins: dict[TreeNode, int] | None = None) -> None:
+               expected_pins: dict[TreeNode, int] | None = None, held_host_slots: torch.Tensor | None = None) -> None:
     """AssertionError naming the first violation of: structure (keys, links, namespaces), residency
     (each node on some tier, L1 closed upwards, locks only on L1, pins only on L2), lock counts,
     the leaf sets and counters, and slot accounting on L1 (tree + free + `held_slots` = pool) and
-    L2 (tree + free = pool)."""
+    L2 (tree + free + `held_host_slots` = pool)."""
     for ns, root in tree._roots.items():
         assert root.is_root and root.namespace == ns and root.lock_ref == 0, f"bad root {root!r}"
     device, host, locked, unlocked, leaves, device_leaves = [], [], 0, 0, set(), set()
@@ -47,7 +47,7 @@ def check_tree(tree: RadixTree, held_slots: torch.Tensor | None = None,
     assert host_total == tree._host, f"host token counter {tree._host}, actual {host_total}"
     _check_slots("device", tree.allocator, _cat(device), held_slots)
     if tree.host_allocator is not None:
-        _check_slots("host", tree.host_allocator, _cat(host), None)
+        _check_slots("host", tree.host_allocator, _cat(host), held_host_slots)
     else:
         assert not host, "host slots in a tree without a host allocator"
 

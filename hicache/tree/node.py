@@ -74,3 +74,17 @@ def _as_tokens(token_ids: Sequence[int]) -> Sequence[int]:
     if isinstance(token_ids, torch.Tensor):
         return token_ids.tolist()
     return list(token_ids)
+
+
+def nodes_covering(pieces) -> list[TreeNode]:
+    """The nodes now covering `pieces` ((node, tokens) recorded when an operation started; splits
+    may have cut a node since, into it and the ancestors above it): each piece's node and, if it
+    was split, the ancestors split off it."""
+    out = []
+    for node, tokens in pieces:
+        covered = 0
+        while covered < tokens and node is not None and node.parent is not None:
+            out.append(node)
+            covered += len(node.key)
+            node = node.parent
+    return out

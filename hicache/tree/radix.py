@@ -112,6 +112,30 @@ class RadixTree(Residency):
             leaf.last_access = now
         return pos if present is None else present
 
+    def insert_host(self, token_ids: Sequence[int], host_slots: torch.Tensor, start: int, namespace: str = "") -> int:
+        """Caches pages of `token_ids[start:]` (page-aligned) that only L2 holds, in `host_slots`
+        ([len - start] int64, host allocator's; e.g. fetched from L3) as a host-only leaf below the
+        cached prefix. Returns k: the tree took `host_slots[k:]` (the tokens after the cached
+        prefix, which ends at `start + k`); the caller keeps (frees) `host_slots[:k]`. When the
+        cached prefix ends before `start` (a gap) it takes nothing: k = len(host_slots)."""
+        tokens = _as_tokens(token_ids)
+        end = len(tokens) // self.page_size * self.page_size
+        if self.disabled or host_slots.numel() != end - start:
+            raise ValueError(f"insert_host: {host_slots.numel()} host slots for tokens [{start}, {end})")
+        now, node, pos = next(self._clock), self.root_of(namespace), 0
+        for node in self._walk_prefix(node, tokens[:end]):
+            node.last_access = now
+            pos += len(node.key)
+        if pos < start or pos == end:  # a gap before start, or nothing new
+            return end - start
+        leaf = TreeNode(tuple(tokens[pos:end]), node, node.namespace)
+        node.children[self._page(leaf.key)] = leaf
+        self._leaves.discard(node)
+        self._leaves.add(leaf)
+        self.attach_host(leaf, host_slots[pos - start:].clone())
+        leaf.last_access = now
+        return pos - start
+
     def path(self, token_ids: Sequence[int], namespace: str = "") -> list[TreeNode]:
         """The nodes of the cached page-aligned prefix of `token_ids`, root side first (no
         access-time update; splits where the prefix ends inside a node, as `match` does)."""
@@ -283,9 +307,11 @@ class RadixTree(Residency):
             stack.extend(node.children.values())
 
     def check_integrity(self, held_slots: torch.Tensor | None = None,
-                        expected_pins: dict[TreeNode, int] | None = None) -> None:
+                        expected_pins: dict[TreeNode, int] | None = None,
+                        held_host_slots: torch.Tensor | None = None) -> None:
         """Asserts the structural invariants, residency rules, lock counts and the slot accounting
         against both allocators (see `hicache/tree/integrity.py`). `held_slots`: L1 slots running
         requests hold; `expected_pins`: node -> pins the in-flight transfers account for (every
-        other node must have none). AssertionError names the first violation."""
-        check_tree(self, held_slots, expected_pins)
+        other node must have none); `held_host_slots`: L2 slots held outside the tree (L3
+        prefetches). AssertionError names the first violation."""
+        check_tree(self, held_slots, expected_pins, held_host_slots)

@@ -92,6 +92,13 @@ class HostKVPool:
         self.buffer[pages, 0, layer, offs] = k.to("cpu")
         self.buffer[pages, 1, layer, offs] = v.to("cpu")
 
+    def page(self, first_slot: int) -> torch.Tensor:
+        """The page starting at host slot `first_slot` as a [2, L, page_size, H, D] view (K = 0,
+        V = 1): contiguous for page_first, strided for layer_first. L3 values are this shape."""
+        if self.layout == "page_first":
+            return self.buffer[first_slot // self.page_size]
+        return self.buffer[:, :, first_slot:first_slot + self.page_size]
+
     def page_view(self, page: int) -> torch.Tensor:
         """page_first only: page `page` as one contiguous [2, L, page_size, H, D] view (for L3)."""
         if self.layout != "page_first":

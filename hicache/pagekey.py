@@ -1,0 +1,39 @@
+"""Page keys (DESIGN §3): `key_i = sha256(key_{i-1} + int32-LE token ids of page i)`, chained from
+a namespace seed, so a key names a page together with its whole prefix, its model, KV dtype, page
+size, layout, TP rank and size, and cache salt: two of those never share a key.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+SEED_TAG = b"hicache-kv-v1"
+
+
+def namespace_seed(*parts: object) -> bytes:
+    """sha256 over length-prefixed parts (so ("ab", "c") and ("a", "bc") differ)."""
+    h = hashlib.sha256(SEED_TAG)
+    for part in parts:
+        data = str(part).encode()
+        h.update(len(data).to_bytes(4, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def salted_seed(seed: bytes, cache_salt: str) -> bytes:
+    """The seed of one cache salt (tenant) under a model's seed; the empty salt keeps `seed`."""
+    return seed if not cache_salt else namespace_seed(seed.hex(), cache_salt)
+
+
+def page_keys(seed: bytes, token_ids: Sequence[int], page_size: int) -> list[str]:
+    """Hex keys of every whole page of `token_ids`, in order."""
+    n = len(token_ids) // page_size
+    data = np.asarray(token_ids[: n * page_size], dtype="<i4").tobytes()
+    step = 4 * page_size
+    keys, prev = [], seed
+    for i in range(n):
+        prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
+        keys.append(prev.hex())
+    return keys

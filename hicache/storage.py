@@ -1,0 +1,343 @@
+"""`StorageController`: the cache brain's L3 part (prefetch into L2, backup from L2), over a
+`tiers.base.StorageEngine`. Only the scheduler thread calls it; the engine's threads move bytes.
+
+Prefetch, per request, on arrival: the page keys beyond its L1 + L2 match are queried in L3
+(`query`); if at least `threshold` tokens exist there, host pages are reserved for them and
+fetched (`fetch`). When the scheduler considers the request, `ready()` applies the prefetch
+policy (`best_effort`: use what has landed; `wait_complete`: wait for the fetch to end;
+`timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages that landed
+as host-only tree nodes (`RadixTree.insert_host`); the request then loads them back like any L2
+hit. Pages the fetch still writes stay reserved until its result comes back, then are freed. An
+abort revokes the prefetch and frees its pages the same way.
+
+Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
+stay pinned until the write is done; the worker skips keys L3 already holds. Past
+`backup_queue_pages` pages in flight, further backups are dropped and counted.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from hicache.pagekey import page_keys, salted_seed
+from hicache.tiers.base import StorageEngine, StorageResult
+from hicache.tree import RadixTree, TreeNode, nodes_covering
+
+logger = logging.getLogger(__name__)
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang's capacity limit)
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """The cache brain's keys of `hicache_storage_backend_extra_config` (the rest is the backend's)."""
+
+    policy: str = "timeout"
+    prefetch_threshold: int = 256  # tokens
+    prefetch_timeout_base: float = 2.0  # seconds
+    prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
+    prefetch_timeout_max: float = 30.0
+    backup_queue_pages: int = 4096
+    batch_pages: int = 128  # pages per backend call (the worker's)
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch policy must be one of {', '.join(PREFETCH_POLICIES)}; got {self.policy!r}")
+        if self.prefetch_threshold < 0 or self.backup_queue_pages < 0 or self.batch_pages < 1:
+            raise ValueError(f"bad storage options {self}")
+
+    @classmethod
+    def split(cls, policy: str, extra: dict) -> tuple[StorageOptions, dict]:
+        """(options, the backend's remaining keys)."""
+        mine = {k: extra[k] for k in extra if k in cls.__dataclass_fields__ and k != "policy"}
+        return cls(policy, **mine), {k: v for k, v in extra.items() if k not in mine}
+
+    def timeout(self, tokens: int) -> float:
+        return min(self.prefetch_timeout_base + tokens / 1024 * self.prefetch_timeout_per_ki_token,
+                   self.prefetch_timeout_max)
+
+
+class _Prefetch:
+    """One request's prefetch: querying, fetching, or done (nothing to fetch)."""
+
+    __slots__ = ("rid", "namespace", "tokens", "start", "keys", "ticket", "phase", "host_slots", "started",
+                 "landed", "finished")
+
+    def __init__(self, rid: str, namespace: str, tokens: list[int], start: int, keys: list[str], ticket: int):
+        self.rid, self.namespace, self.tokens, self.start, self.keys = rid, namespace, tokens, start, keys
+        self.ticket, self.phase, self.started = ticket, "query", time.monotonic()
+        self.host_slots: torch.Tensor | None = None  # [len(keys) * page_size] int64: reserved L2 pages (fetch)
+        self.landed = 0  # pages, once the fetch has finished
+        self.finished = False
+
+
+class _Backup(NamedTuple):
+    pieces: tuple[tuple[TreeNode, int], ...]
+    pages: int
+
+
+class StorageRange(NamedTuple):
+    """Prompt tokens [start, end) that a committed prefetch put into the tree (empty: none)."""
+
+    start: int = 0
+    end: int = 0
+
+
+class StorageController:
+    def __init__(self, tree: RadixTree, engine: StorageEngine, seed: bytes, options: StorageOptions,
+                 alloc_host: Callable[[int], torch.Tensor | None], backend: str, bytes_per_token: int):
+        self.tree, self.engine, self.options = tree, engine, options
+        self.page_size = tree.page_size
+        self.backend, self.bytes_per_token = backend, bytes_per_token
+        self._seed = seed
+        self._seeds: dict[str, bytes] = {}
+        self._alloc_host = alloc_host
+        self._by_rid: dict[str, _Prefetch] = {}
+        self._by_ticket: dict[int, _Prefetch] = {}  # queries and fetches in flight
+        self._draining: dict[int, torch.Tensor] = {}  # fetch ticket -> its uncommitted pages, freed on its result
+        self._backups: dict[int, _Backup] = {}
+        self._backup_pages = 0
+        self.counters = collections.Counter()
+
+    def seed(self, namespace: str) -> bytes:
+        s = self._seeds.get(namespace)
+        if s is None:
+            s = self._seeds[namespace] = salted_seed(self._seed, namespace)
+        return s
+
+    # ---- prefetch -------------------------------------------------------------------------
+
+    def prefetch(self, rid: str, token_ids: list[int], namespace: str) -> None:
+        """On arrival: query L3 for the pages of `token_ids` beyond the L1 + L2 match."""
+        ps = self.page_size
+        end = len(token_ids) // ps * ps
+        m = self.tree.match(token_ids[:end], namespace)
+        start = m.device_slots.numel() + m.host_hit_tokens
+        if end - start < max(self.options.prefetch_threshold, ps):
+            return
+        tokens = list(token_ids[:end])
+        keys = page_keys(self.seed(namespace), tokens, ps)[start // ps:]
+        op = _Prefetch(rid, namespace, tokens, start, keys, self.engine.query(keys))
+        self._by_rid[rid] = op
+        self._by_ticket[op.ticket] = op
+        self.counters["prefetch_queries"] += 1
+
+    def ready(self, rid: str) -> StorageRange | None:
+        """Whether the request may be scheduled now (None: keep it waiting). Commits what its
+        prefetch fetched and returns the prompt tokens that came from L3."""
+        op = self._by_rid.get(rid)
+        if op is None:
+            return StorageRange()
+        complete = op.phase == "done" or op.finished
+        if not complete and not self._may_stop(op):
+            return None
+        del self._by_rid[rid]
+        if op.phase == "query":
+            self._by_ticket.pop(op.ticket, None)  # its answer, when it comes, is ignored
+            self.counters["prefetch_revoked"] += 1
+            return StorageRange()
+        if op.phase == "done":
+            return StorageRange()
+        if not op.finished:
+            self.counters["prefetch_cut_short"] += 1
+        return self._commit(op)
+
+    def _may_stop(self, op: _Prefetch) -> bool:
+        policy = self.options.policy
+        if policy == "best_effort":
+            return True
+        if policy == "wait_complete":
+            return False
+        return time.monotonic() - op.started > self.options.timeout(len(op.keys) * self.page_size)
+
+    def _commit(self, op: _Prefetch) -> StorageRange:
+        ps = self.page_size
+        landed = op.landed if op.finished else self.engine.progress(op.ticket)
+        if not op.finished:
+            self.engine.cancel(op.ticket)
+            self._by_ticket.pop(op.ticket)
+            self._draining[op.ticket] = op.host_slots[landed * ps:]
+        else:
+            self.tree.host_allocator.free(op.host_slots[landed * ps:])
+        end = op.start + landed * ps
+        if landed == 0:
+            return StorageRange()
+        kept = self.tree.insert_host(op.tokens[:end], op.host_slots[:landed * ps], op.start, op.namespace)
+        self.tree.host_allocator.free(op.host_slots[:kept])
+        if kept == end - op.start:
+            self.counters["prefetch_discarded_tokens"] += kept
+            return StorageRange()
+        self.counters["prefetch_committed_tokens"] += end - op.start - kept
+        return StorageRange(op.start + kept, end)
+
+    def revoke(self, rid: str) -> None:
+        """The request is gone (aborted): stop its prefetch and free its pages."""
+        op = self._by_rid.pop(rid, None)
+        if op is None:
+            return
+        self.counters["prefetch_revoked"] += 1
+        self._by_ticket.pop(op.ticket, None)
+        if op.phase == "fetch" and not op.finished:
+            self.engine.cancel(op.ticket)
+            self._draining[op.ticket] = op.host_slots
+        elif op.phase == "fetch":
+            self.tree.host_allocator.free(op.host_slots)
+
+    def _on_query(self, op: _Prefetch, res: StorageResult) -> None:
+        ps, opts = self.page_size, self.options
+        op.phase = "done"
+        if not res.ok or res.pages * ps < max(opts.prefetch_threshold, ps):
+            self.counters["prefetch_below_threshold" if res.ok else "prefetch_failed"] += 1
+            return
+        m = self.tree.match(op.tokens, op.namespace)  # the cache may have moved since arrival
+        now = m.device_slots.numel() + m.host_hit_tokens
+        skip = (now - op.start) // ps
+        n = res.pages - skip
+        if now < op.start or n * ps < max(opts.prefetch_threshold, ps):
+            self.counters["prefetch_below_threshold"] += 1
+            return
+        if self._held_host_tokens() + n * ps > HOST_SHARE * self.tree.host_allocator.capacity_tokens():
+            self.counters["prefetch_host_full"] += 1
+            return
+        chain = self.tree.load_chain(m.last_host_node)
+        for node in chain:  # making room must not evict the prefix the fetched pages hang below
+            node.host_pin += 1
+        slots = self._alloc_host(n * ps)
+        for node in chain:
+            node.host_pin -= 1
+        if slots is None:
+            self.counters["prefetch_host_full"] += 1
+            return
+        op.start, op.keys, op.host_slots, op.phase = now, op.keys[skip:skip + n], slots, "fetch"
+        op.ticket = self.engine.fetch(op.keys, slots)
+        self._by_ticket[op.ticket] = op
+
+    # ---- backup ---------------------------------------------------------------------------
+
+    def backup(self, nodes: list[TreeNode]) -> None:
+        """Queues the L2 copies of `nodes` (just written from L1) for L3, pinning them."""
+        nodes = [n for n in nodes if n.host_slots is not None and n.parent is not None]
+        pages = sum(len(n.key) for n in nodes) // self.page_size
+        if not pages:
+            return
+        if self._backup_pages + pages > self.options.backup_queue_pages:
+            self.counters["backup_dropped_tokens"] += pages * self.page_size
+            return
+        keys = [k for n in nodes for k in self._node_keys(n)]
+        slots = torch.cat([n.host_slots for n in nodes])
+        for n in nodes:
+            n.host_pin += 1
+        self._backups[self.engine.backup(keys, slots)] = _Backup(tuple((n, len(n.key)) for n in nodes), pages)
+        self._backup_pages += pages
+
+    def _node_keys(self, node: TreeNode) -> list[str]:
+        parts, n = [], node
+        while n.parent is not None:
+            parts.append(n.key)
+            n = n.parent
+        tokens = [t for key in reversed(parts) for t in key]
+        return page_keys(self.seed(node.namespace), tokens, self.page_size)[-(len(node.key) // self.page_size):]
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Folds in finished L3 operations. Never blocks."""
+        for res in self.engine.poll():
+            if res.kind == "backup":
+                self._on_backup(res)
+            elif res.ticket in self._draining:
+                self.tree.host_allocator.free(self._draining.pop(res.ticket))
+                self._count_fetch(res)
+            elif res.ticket in self._by_ticket:
+                op = self._by_ticket.pop(res.ticket)
+                if res.kind == "query":
+                    self._on_query(op, res)
+                else:
+                    op.finished, op.landed = True, res.pages
+                    self._count_fetch(res)
+
+    def _count_fetch(self, res: StorageResult) -> None:
+        c = self.counters
+        c["prefetched_tokens"] += res.pages * self.page_size
+        c["prefetched_bytes"] += res.nbytes
+        c["prefetch_seconds"] += res.seconds
+        if not res.ok and res.error != "cancelled":
+            c["prefetch_failed"] += 1
+
+    def _on_backup(self, res: StorageResult) -> None:
+        b = self._backups.pop(res.ticket)
+        self._backup_pages -= b.pages
+        for node in nodes_covering(b.pieces):
+            node.host_pin -= 1
+        c = self.counters
+        c["backed_up_tokens"] += res.pages * self.page_size
+        c["backed_up_bytes"] += res.nbytes
+        c["backup_seconds"] += res.seconds
+        c["backup_skipped_tokens"] += res.skipped * self.page_size
+        if not res.ok:
+            c["backup_failed_tokens"] += b.pages * self.page_size
+
+    def busy(self) -> bool:
+        return bool(self._by_ticket or self._draining or self._backups)
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until an L3 operation finishes (or `timeout`): for a scheduler with nothing to
+        run but requests waiting on their prefetch."""
+        self.engine.wait(timeout)
+
+    def quiesce(self, timeout: float = 30.0) -> bool:
+        """Cancels every L3 operation, waits for them and folds them in (for flush)."""
+        for op in list(self._by_rid.values()):
+            self.revoke(op.rid)
+        done = self.engine.quiesce(timeout)
+        self.poll()
+        return done and not self.busy()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ---- integrity, stats -----------------------------------------------------------------
+
+    def _held_host_tokens(self) -> int:
+        return int(self.held_host_slots().numel())
+
+    def held_host_slots(self) -> torch.Tensor:
+        """L2 slots held outside the tree: reserved by fetches not yet committed or freed."""
+        parts = [op.host_slots for op in self._by_rid.values() if op.phase == "fetch"]
+        parts += list(self._draining.values())
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def pins(self) -> collections.Counter:
+        pins: collections.Counter = collections.Counter()
+        for b in self._backups.values():
+            pins.update(nodes_covering(b.pieces))
+        return pins
+
+    def waiting(self) -> int:
+        return len(self._by_rid)
+
+    def stats(self) -> dict:
+        self.poll()  # an idle scheduler does not step: fold in what finished since
+        engine = self.engine.stats()
+
+        def tokens(nbytes) -> int:
+            return int(nbytes) // self.bytes_per_token
+
+        out = {"enabled": True, "backend": self.backend, "status": self.engine.status(),
+               "prefetch_policy": self.options.policy, "bytes_per_token": self.bytes_per_token,
+               "used_tokens": tokens(engine.get("used_bytes", 0)),
+               "capacity_tokens": tokens(engine.get("capacity_bytes", 0)),
+               "evicted_tokens": engine.get("evicted_pages", 0) * self.page_size,
+               "prefetching": len(self._by_rid), "backups_in_flight": len(self._backups),
+               "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0)}
+        out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
+        for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
+                  "backup_dropped_tokens", "prefetch_seconds", "backup_seconds"):
+            out.setdefault(k, 0)
+        return out

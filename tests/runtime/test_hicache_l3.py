@@ -1,0 +1,224 @@
+"""HiCache L3 end to end on a tiny random 2-layer model, the Scheduler driven directly.
+
+- A scheduler started on the LMDB path an earlier one wrote serves its prompts from storage, with
+  the outputs of an uncached engine.
+- Prefetch policies against a slow backend: best_effort does not wait, wait_complete gets every
+  page, timeout gives up after its allowance; an abort in the middle of a fetch frees its pages.
+- Faults: a backend that raises, a corrupt value, a full backup queue: counted, outputs unchanged.
+- check_integrity() after every step (prefetch-held host pages and backup pins included).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from hicache.config import HiCacheConfig
+from hicache.pagekey import page_keys
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.scheduler import Scheduler
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
+PAGE = 4
+THRESHOLD = 16
+
+
+def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256, ratio=2.0, **extra) -> Scheduler:
+    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
+                       max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96)
+    cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
+                       hicache_storage_prefetch_policy=policy,
+                       hicache_storage_backend_extra_config={"prefetch_threshold": THRESHOLD, **extra})
+    return Scheduler(rc, cc)
+
+
+def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for _ in range(limit):
+        if not sched.has_work():
+            return out
+        for o in sched.step():
+            rec = out.setdefault(o.rid, [[], None])
+            rec[0] += o.new_token_ids
+            rec[1] = o.meta
+        sched.check_integrity()
+    raise AssertionError("the scheduler did not go idle")
+
+
+def settle(sched: Scheduler) -> None:
+    """Waits until every L3 write has landed and been folded in."""
+    for _ in range(500):
+        if not sched.storage.busy():
+            return
+        sched.storage.wait(0.02)
+        sched.storage.poll()
+    raise AssertionError("L3 operations still in flight")
+
+
+def prompts(seed: int, n: int = 3, length: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+def run_each(sched: Scheduler, ps: list[list[int]], tag: str) -> list[list]:
+    """One request at a time; returns [output ids, meta] per prompt."""
+    out = []
+    for i, p in enumerate(ps):
+        sched.add_request(GenerateRequest(f"{tag}{i}", p, dict(GREEDY)))
+        out.append(drain(sched)[f"{tag}{i}"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_config_path):
+    sched = l3_scheduler(tiny_config_path, backend="none", total=4096, disable_radix_cache=True)
+    return lambda ps: [o[0] for o in run_each(sched, ps, "ref")]
+
+
+def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, reference, tmp_path):
+    ps = prompts(1)
+    first = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    cold = run_each(first, ps, "a")
+    settle(first)
+    assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 3 * 88
+    first.close()
+    second = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    warm = run_each(second, ps, "b")
+    want = reference(ps)
+    assert [o for o, _ in cold] == want and [o for o, _ in warm] == want
+    for _, meta in warm:
+        assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 88}, meta
+    stats = second.stats()
+    storage = stats["tiers"]["storage"]
+    assert storage["status"] == "ok" and storage["backend"] == "lmdb"
+    assert storage["hit_tokens"] == stats["tokens"]["cached"]["storage"] == 3 * 88
+    assert storage["prefetched_tokens"] == 3 * 88 and storage["prefetched_bytes"] > 0
+    assert storage["used_tokens"] > 0 and storage["capacity_tokens"] > storage["used_tokens"]
+    settle(second)
+    assert second.flush_cache()
+    second.check_integrity()
+    second.close()
+
+
+def test_shorter_than_the_threshold_is_not_prefetched(tiny_config_path, tmp_path):
+    short = prompts(2, n=1, length=THRESHOLD - 4)
+    first = l3_scheduler(tiny_config_path, backend="memory", store="short")
+    run_each(first, short, "a")
+    settle(first)
+    second = l3_scheduler(tiny_config_path, backend="memory", store="short")
+    (_, meta), = run_each(second, short, "b")
+    assert meta["cached_tokens"] == 0
+    assert second.stats()["tiers"]["storage"].get("prefetch_queries", 0) == 0
+
+
+class Gate:
+    """Holds every batch_get of a backend until opened (a slow store)."""
+
+    def __init__(self, sched: Scheduler):
+        self.open = threading.Event()
+        backend = sched.storage.engine.backend
+        real = backend.batch_get
+
+        def slow(keys, pages):
+            self.open.wait(10)
+            return real(keys, pages)
+
+        backend.batch_get = slow
+
+
+def warm_store(config_path, name: str, ps) -> None:
+    sched = l3_scheduler(config_path, backend="memory", store=name)
+    run_each(sched, ps, "w")
+    settle(sched)
+    sched.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies_against_a_slow_store(tiny_config_path, reference, policy):
+    ps = prompts(3, n=1)
+    warm_store(tiny_config_path, f"slow-{policy}", ps)
+    sched = l3_scheduler(tiny_config_path, backend="memory", policy=policy, store=f"slow-{policy}",
+                         prefetch_timeout_base=0.3, prefetch_timeout_per_ki_token=0.0)
+    gate = Gate(sched)
+    if policy == "wait_complete":
+        threading.Timer(0.5, gate.open.set).start()
+    started = time.monotonic()
+    (out, meta), = run_each(sched, ps, "p")
+    waited = time.monotonic() - started
+    gate.open.set()
+    assert out == reference(ps)[0]
+    storage = meta["cached_tokens_details"]["storage"]
+    if policy == "wait_complete":
+        assert storage == 88 and waited >= 0.5
+    elif policy == "timeout":
+        assert storage == 0 and 0.3 <= waited < 5
+        assert sched.stats()["tiers"]["storage"]["prefetch_cut_short"] == 1
+    else:  # the gate stays shut (10 s) while it runs: it must not have waited for the fetch
+        assert storage == 0 and waited < 5
+    settle(sched)
+    assert sched.flush_cache()
+    sched.check_integrity()
+    host = sched.cache.host_pool.allocator
+    assert host.num_free_tokens() == host.capacity_tokens()
+
+
+def test_abort_during_a_fetch_frees_its_pages(tiny_config_path, reference):
+    ps = prompts(4, n=1)
+    warm_store(tiny_config_path, "abort", ps)
+    sched = l3_scheduler(tiny_config_path, backend="memory", store="abort")
+    gate = Gate(sched)
+    sched.add_request(GenerateRequest("x", ps[0], dict(GREEDY)))
+    for _ in range(200):  # until the fetch holds its host pages
+        sched.step()
+        sched.check_integrity()
+        if sched.storage.held_host_slots().numel():
+            break
+    assert sched.storage.held_host_slots().numel() == 88
+    sched.abort("x")
+    sched.check_integrity()
+    gate.open.set()
+    settle(sched)
+    sched.check_integrity()
+    assert sched.storage.held_host_slots().numel() == 0
+    assert sched.stats()["tiers"]["storage"]["prefetch_revoked"] == 1
+    (out, _), = run_each(sched, ps, "y")
+    assert out == reference(ps)[0]
+
+
+def test_backend_failures_are_counted_misses(tiny_config_path, reference):
+    ps = prompts(5)
+    warm_store(tiny_config_path, "faulty", ps)
+    sched = l3_scheduler(tiny_config_path, backend="memory", store="faulty")
+    backend = sched.storage.engine.backend
+    real_get = backend.batch_get
+    calls = [0]
+
+    def flaky(keys, pages):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ConnectionError("injected")
+        return real_get(keys, pages)
+
+    backend.batch_get = flaky
+    key = backend._prefix + page_keys(sched.storage.seed(""), ps[1], PAGE)[3]  # prompt 1's fourth page
+    corrupt = bytearray(backend._data[key])
+    corrupt[-3] ^= 0xFF
+    backend._data[key] = bytes(corrupt)
+    got = run_each(sched, ps, "f")
+    assert [o for o, _ in got] == reference(ps)
+    assert [m["cached_tokens_details"]["storage"] for _, m in got] == [0, 3 * PAGE, 88]
+    storage = sched.stats()["tiers"]["storage"]
+    assert storage["errors"] == 1 and storage["corrupt_pages"] == 1 and storage["prefetch_failed"] == 2
+
+
+def test_a_full_backup_queue_drops_and_counts(tiny_config_path, reference):
+    ps = prompts(6)
+    sched = l3_scheduler(tiny_config_path, backend="memory", backup_queue_pages=1)
+    got = run_each(sched, ps, "q")
+    assert [o for o, _ in got] == reference(ps)
+    settle(sched)
+    storage = sched.stats()["tiers"]["storage"]
+    assert storage["backup_dropped_tokens"] > 0 and storage["backed_up_tokens"] == 0

@@ -1,0 +1,296 @@
+"""L3 backends (memory, LMDB, a real Redis), value framing and the I/O worker over a host pool.
+
+Every backend passes the same contract test; then what is particular to each: LMDB survives a
+reopen, evicts least recently used pages past its size cap, survives a full map, and turns a
+flipped byte into a counted miss; Redis down at start-up is degraded and resumes when it returns.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache.pagekey import namespace_seed, page_keys, salted_seed
+from hicache.tiers.host.pool import HostKVPool
+from hicache.tiers.remote import make_backend
+from hicache.tiers.remote.framing import HEADER_SIZE, CorruptValue, decode_into, encode
+from hicache.tiers.remote.worker import StorageWorker
+
+NS = "00112233445566aa"
+SHAPE = (2, 3, 4, 2, 8)  # [K/V, layers, page_size, heads, head_dim]
+
+
+def pages(n: int, seed: int = 0, dtype=torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=g).to(dtype) for _ in range(n)]
+
+
+def keys(n: int, salt: str = "") -> list[str]:
+    return page_keys(salted_seed(namespace_seed("test-model"), salt), list(range(n * 4)), 4)
+
+
+def lmdb_backend(path, **kw):
+    return make_backend("lmdb", NS, path=str(path), **kw)
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def backend(request, tmp_path):
+    if request.param == "memory":
+        b = make_backend("memory", NS)
+    elif request.param == "lmdb":
+        b = lmdb_backend(tmp_path / "lmdb", size_cap_gb=0.01)
+    else:
+        b = make_backend("redis", NS, url=request.getfixturevalue("redis_server").url)
+    yield b
+    b.close()
+
+
+# ---- page keys and framing ----------------------------------------------------------------
+
+
+def test_page_keys_chain_and_namespaces():
+    seed = namespace_seed("model", "float32", 4, "layer_first", "tp0/1")
+    k = page_keys(seed, list(range(12)), 4)
+    assert len(k) == 3 and len(set(k)) == 3
+    assert page_keys(seed, list(range(8)) + [99, 99, 99, 99], 4)[:2] == k[:2]  # a prefix has the same keys
+    assert page_keys(seed, [1] + list(range(1, 12)), 4)[1] != k[1]  # a key depends on the whole prefix
+    assert page_keys(seed, list(range(13)), 4) == k  # a partial last page has no key
+    for other in (namespace_seed("model", "bfloat16", 4, "layer_first", "tp0/1"), salted_seed(seed, "tenant")):
+        assert not set(page_keys(other, list(range(12)), 4)) & set(k)
+    assert namespace_seed("ab", "c") != namespace_seed("a", "bc")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_framing_round_trip_and_every_mismatch_is_caught(dtype):
+    page = pages(1, dtype=dtype)[0]
+    value = encode(page[:, :, :])
+    out = torch.empty_like(page)
+    decode_into(value, out)
+    assert torch.equal(out, page)
+    strided = torch.empty(SHAPE[:2] + (8,) + SHAPE[3:], dtype=dtype)[:, :, 2:6]  # a layer_first-like view
+    decode_into(value, strided)
+    assert torch.equal(strided, page)
+    for pos in (0, 5, HEADER_SIZE - 6, HEADER_SIZE, len(value) - 1):  # magic, shape, crc, payload
+        bad = bytearray(value)
+        bad[pos] ^= 0x10
+        with pytest.raises(CorruptValue):
+            decode_into(bytes(bad), out)
+    with pytest.raises(CorruptValue):
+        decode_into(value[:-1], out)
+    with pytest.raises(CorruptValue):
+        decode_into(value, torch.empty(SHAPE, dtype=torch.int8))
+
+
+# ---- the backend contract -----------------------------------------------------------------
+
+
+def test_backend_contract(backend):
+    k, p = keys(6), pages(6)
+    assert backend.batch_exists(k) == 0
+    assert backend.batch_set(k[:4], p[:4]) == 4
+    assert backend.batch_set(k[:5], p[:5]) == 1  # present keys are skipped
+    assert backend.batch_exists(k) == 5
+    assert backend.batch_exists([k[0], k[5], k[1]]) == 1  # the length of the existing prefix
+    out = [torch.zeros(SHAPE) for _ in range(6)]
+    assert backend.batch_get(k, out) == [True] * 5 + [False]
+    assert all(torch.equal(a, b) for a, b in zip(out[:5], p[:5]))
+    other = make_backend(backend.name, "ffffffffffffffff", **_same_store(backend))
+    assert other.batch_exists(k) == 0  # another namespace sees nothing
+    backend.delete([k[1]])
+    assert backend.batch_exists(k) == 1
+    backend.clear()
+    assert backend.batch_exists(k) == 0
+    s = backend.stats()
+    assert s["set_pages"] == 5 and s["hit_pages"] == 5 and s["miss_pages"] == 1 and s["bytes_written"] > 0
+    assert backend.status() == "ok"
+
+
+def _same_store(backend) -> dict:
+    if backend.name == "lmdb":
+        return {"path": backend.path}
+    if backend.name == "redis":
+        return {"url": backend.url}
+    return {}
+
+
+# ---- LMDB -----------------------------------------------------------------------------------
+
+
+def test_lmdb_survives_reopen_and_shares_an_environment(tmp_path):
+    k, p = keys(3), pages(3)
+    a = lmdb_backend(tmp_path)
+    b = lmdb_backend(tmp_path)  # a second engine of the process: the same environment
+    assert a.batch_set(k, p) == 3 and b.batch_exists(k) == 3
+    a.close()
+    b.close()
+    c = lmdb_backend(tmp_path)
+    out = [torch.zeros(SHAPE) for _ in range(3)]
+    assert c.batch_get(k, out) == [True] * 3 and torch.equal(out[2], p[2])
+    assert c.stats()["used_bytes"] == 3 * len(encode(p[0]))
+    c.close()
+
+
+def test_lmdb_flipped_byte_is_a_counted_miss(tmp_path):
+    import lmdb
+
+    k, p = keys(2), pages(2)
+    b = lmdb_backend(tmp_path)
+    b.batch_set(k, p)
+    b.close()
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    db = env.open_db(b"pages")
+    with env.begin(write=True, db=db) as txn:
+        raw = bytes.fromhex(NS) + bytes.fromhex(k[1])
+        value = bytearray(txn.get(raw))
+        value[HEADER_SIZE + 17] ^= 0x01
+        txn.put(raw, bytes(value))
+    env.close()
+    b = lmdb_backend(tmp_path)
+    out = [torch.zeros(SHAPE) for _ in range(2)]
+    assert b.batch_get(k, out) == [True, False]
+    assert torch.equal(out[1], torch.zeros(SHAPE))  # nothing of the corrupt value was copied
+    assert b.stats()["corrupt_pages"] == 1
+    assert b.batch_exists(k) == 1  # the corrupt page was deleted: the next backup stores it again
+    b.close()
+
+
+def test_lmdb_evicts_least_recently_used_past_its_cap(tmp_path):
+    value_bytes = len(encode(pages(1)[0]))
+    b = lmdb_backend(tmp_path, size_cap_gb=10 * value_bytes / 1e9)  # room for 10 pages
+    k, p = keys(30), pages(30)
+    b.batch_set(k[:8], p[:8])
+    time.sleep(0.01)
+    b.batch_get(k[:2], [torch.empty(SHAPE) for _ in range(2)])  # pages 0 and 1 are now the newest
+    for _ in range(100):  # the access-time update is queued to the writer thread
+        if b._env.submit(lambda: None).result() is None:
+            break
+    b.batch_set(k[8:30], p[8:30])
+    s = b.stats()
+    assert s["used_bytes"] <= 10 * value_bytes and s["evicted_pages"] >= 20
+    held = [i for i in range(30) if b.batch_exists([k[i]])]
+    assert held and held[-1] == 29 and 2 not in held  # the newest stay, untouched old ones go
+    b.close()
+
+
+def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
+    value_bytes = len(encode(pages(1)[0]))
+    b = lmdb_backend(tmp_path, size_cap_gb=1.0, map_size_gb=100 * value_bytes / 1e9)  # the map fills first
+    k, p = keys(200), pages(200)
+    for lo in range(0, 200, 20):
+        b.batch_set(k[lo:lo + 20], p[lo:lo + 20])
+    s = b.stats()
+    assert s["map_full"] > 0 and s["evicted_pages"] > 0
+    assert b.batch_exists(k[199:]) == 1  # the latest batch is stored
+    b.close()
+
+
+# ---- Redis ------------------------------------------------------------------------------------
+
+
+def test_redis_down_at_start_is_degraded_then_resumes(redis_server):
+    redis_server.stop()
+    b = make_backend("redis", NS, url=redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+    assert b.status().startswith("degraded")
+    with pytest.raises(Exception):
+        b.batch_exists(keys(1))
+    redis_server.start()
+    b.probe()
+    assert b.status() == "ok"
+    assert b.batch_set(keys(2), pages(2)) == 2
+    b.close()
+
+
+# ---- the I/O worker over a host pool ----------------------------------------------------------
+
+
+def host_pool(layout: str) -> HostKVPool:
+    return HostKVPool(64, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, layout=layout, pin=False)
+
+
+def results(worker: StorageWorker, n: int, timeout: float = 10.0) -> list:
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        worker.wait(0.1)
+        out += worker.poll()
+    assert len(out) == n, out
+    return sorted(out, key=lambda r: r.ticket)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_worker_backs_up_and_fetches_host_pages(tmp_path, layout):
+    src, dst = host_pool(layout), host_pool(layout)
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    w_src = StorageWorker(lmdb_backend(tmp_path), src, batch_pages=2)
+    k = keys(5)
+    slots = src.allocator.alloc(20)
+    t = w_src.backup(k, slots)
+    (res,) = results(w_src, 1)
+    assert (res.ticket, res.ok, res.pages, res.skipped) == (t, True, 5, 0)
+    w_src.backup(k[:3], slots[:12])
+    assert results(w_src, 1)[0].skipped == 3  # keys L3 holds are not written again
+    w_dst = StorageWorker(lmdb_backend(tmp_path), dst, batch_pages=2)
+    q = w_dst.query(k + keys(7)[5:])
+    into = dst.allocator.alloc(20)
+    f = w_dst.fetch(k, into)
+    r_query, r_fetch = results(w_dst, 2)
+    assert (r_query.ticket, r_query.pages) == (q, 5)
+    assert (r_fetch.ticket, r_fetch.ok, r_fetch.pages) == (f, True, 5) and r_fetch.nbytes == 5 * src.bytes_per_token() * 4
+    for i in range(5):
+        assert torch.equal(dst.page(int(into[4 * i])), src.page(int(slots[4 * i])))
+    w_src.close()
+    w_dst.close()
+
+
+def test_worker_stops_a_fetch_at_the_first_miss_and_counts_failures(tmp_path):
+    pool = host_pool("page_first")
+    backend = make_backend("memory", NS)
+    w = StorageWorker(backend, pool, batch_pages=2)
+    k = keys(5)
+    backend.batch_set(k[:3], pages(3))
+    w.fetch(k, pool.allocator.alloc(20))
+    (res,) = results(w, 1)
+    assert (res.ok, res.pages) == (False, 3)
+
+    def boom(*_):
+        raise ConnectionError("injected")
+
+    backend.batch_get = boom
+    backend.batch_exists = boom
+    w.fetch(k, pool.allocator.alloc(20))
+    w.backup(k, pool.allocator.alloc(20))
+    fetch, backup = results(w, 2)
+    assert (fetch.ok, fetch.pages) == (False, 0) and "injected" in fetch.error
+    assert (backup.ok, backup.pages) == (False, 0)
+    assert w.stats()["errors"] == 2
+    w.close()
+
+
+def test_worker_cancel_and_quiesce(tmp_path):
+    pool = host_pool("layer_first")
+    backend = make_backend("memory", NS)
+    gate = threading.Event()
+    real = backend.batch_get
+
+    def slow(keys_, pages_):
+        gate.wait(5)
+        return real(keys_, pages_)
+
+    backend.batch_get = slow
+    w = StorageWorker(backend, pool, batch_pages=1)
+    k = keys(4)
+    backend.batch_set(k, pages(4))
+    t = w.fetch(k, pool.allocator.alloc(16))
+    queued = w.fetch(k, pool.allocator.alloc(16))
+    w.cancel(t)
+    gate.set()
+    first, second = results(w, 2)
+    assert first.ticket == t and first.pages <= 1 and not first.ok
+    assert second.ticket == queued and second.pages == 4
+    gate.clear()
+    w.fetch(k, pool.allocator.alloc(16))
+    threading.Timer(0.2, gate.set).start()
+    assert w.quiesce(5.0)
+    assert results(w, 1)[0].pages <= 1
+    w.close()
