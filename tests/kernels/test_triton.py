@@ -1,0 +1,201 @@
+"""Triton kernels vs the torch reference on fresh random inputs (CUDA only; skipped elsewhere).
+
+Tolerances (issue 6): relative error (norm of the difference / norm of the reference) under 1e-2
+in bf16 and under 1e-4 in fp32. The reference runs in fp32 on the same (rounded) inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.kernels import attention as ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+if torch.cuda.is_available():
+    triton = pytest.importorskip("triton")
+    from hicache.kernels.decode import decode_attention
+    from hicache.kernels.extend import extend_attention
+    from hicache.kernels.store import store_kv
+    from hicache.kernels.transfer import copy_kv, layer_pointers
+
+DEV = "cuda"
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+GROUPS = [(8, 8), (32, 8), (32, 4)]  # (Hq, Hkv): GQA 1, 4, 8
+
+
+def fresh_gen() -> torch.Generator:
+    return torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.float() - want.float()).norm() / want.float().norm())
+
+
+def paged_slots(lens: list[int], page_size: int, gen: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    """Each sequence on its own scattered pages; returns per-sequence slots and the pool size."""
+    pages = [-(-n // page_size) for n in lens]
+    total = sum(pages) + 3  # a few pages nobody uses
+    order = torch.randperm(total, generator=gen, device=DEV)
+    slots, used = [], 0
+    for n, p in zip(lens, pages):
+        seq_pages = order[used:used + p]
+        used += p
+        s = (seq_pages[:, None] * page_size + torch.arange(page_size, device=DEV)[None, :]).reshape(-1)
+        slots.append(s[:n])
+    return slots, total * page_size
+
+
+def table_of(slots: list[torch.Tensor], extra_rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A req-to-token table with unused rows between requests; returns (table, rows)."""
+    width = max(s.numel() for s in slots) + 5
+    table = torch.zeros(len(slots) * extra_rows + 1, width, dtype=torch.int64, device=DEV)
+    rows = torch.arange(len(slots), device=DEV) * extra_rows + 1
+    for r, s in zip(rows.tolist(), slots):
+        table[r, : s.numel()] = s
+    return table, rows
+
+
+def random_pool(num_slots: int, hkv: int, d: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype),
+            torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv", GROUPS)
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("d", [128, 64])
+def test_decode_ragged(dtype, hq, hkv, page_size, d):
+    gen = fresh_gen()
+    lens = [1, 17, 300, 64, 1000, 2049, 5, 30000]
+    slots, num_slots = paged_slots(lens, page_size, gen)
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    table, rows = table_of(slots)
+    q = torch.randn(len(lens), hq, d, generator=gen, device=DEV).to(dtype)
+    seq_lens = torch.tensor(lens, device=DEV)
+    want = ref.decode_attention(q.float(), k_buf.float(), v_buf.float(), table[rows], seq_lens, d ** -0.5)
+    for splits in (None, 1, 7):
+        out = decode_attention(q, k_buf, v_buf, table, rows, seq_lens, d ** -0.5, num_splits=splits)
+        assert out.dtype == dtype
+        assert rel_err(out, want) < TOL[dtype], (splits, rel_err(out, want))
+        for i in range(len(lens)):  # no request hides behind the others' norm
+            assert rel_err(out[i], want[i]) < TOL[dtype], (splits, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv", GROUPS)
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("batch", ["ragged", "long_prefix"])
+def test_extend_with_prefix(dtype, hq, hkv, page_size, batch):
+    gen = fresh_gen()
+    d = 128
+    prefixes, extends = {"ragged": ([0, 0, 37, 500, 1000, 64], [1, 200, 129, 1, 300, 64]),
+                         "long_prefix": ([30000, 0], [100, 257])}[batch]
+    slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], page_size, gen)
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    table, rows = table_of(slots)
+    q = torch.randn(sum(extends), hq, d, generator=gen, device=DEV).to(dtype)
+    lens = torch.tensor(extends, device=DEV)
+    starts = torch.cumsum(lens, 0) - lens
+    out = extend_attention(q, k_buf, v_buf, table, rows, torch.tensor(prefixes, device=DEV), lens, starts,
+                           max(extends), d ** -0.5)
+    want = ref.extend_attention(q.float(), k_buf.float(), v_buf.float(), slots, extends, d ** -0.5)
+    assert out.dtype == dtype
+    assert rel_err(out, want) < TOL[dtype]
+    for s, e in zip(starts.tolist(), extends):
+        assert rel_err(out[s:s + e], want[s:s + e]) < TOL[dtype]
+
+
+def test_extend_head_dim_64_int32_table():
+    gen = fresh_gen()
+    hq, hkv, d, dtype = 9, 3, 64, torch.bfloat16  # SmolLM2's heads
+    prefixes, extends = [0, 130, 7], [70, 33, 1]
+    slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], 1, gen)
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    table, rows = table_of(slots)
+    q = torch.randn(sum(extends), hq, d, generator=gen, device=DEV).to(dtype)
+    lens = torch.tensor(extends, device=DEV, dtype=torch.int32)
+    starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+    out = extend_attention(q, k_buf, v_buf, table.int(), rows.int(), torch.tensor(prefixes, device=DEV, dtype=torch.int32),
+                           lens, starts, max(extends), d ** -0.5)
+    want = ref.extend_attention(q.float(), k_buf.float(), v_buf.float(), slots, extends, d ** -0.5)
+    assert rel_err(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_strided_v(dtype):
+    gen = fresh_gen()
+    t, hkv, d, num_slots = 77, 3, 64, 512
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    qkv = torch.randn(t, (3 + 2 * hkv) * d, generator=gen, device=DEV).to(dtype)  # as a fused projection
+    k = qkv[:, 3 * d:(3 + hkv) * d].reshape(t, hkv, d).contiguous()
+    v = qkv[:, (3 + hkv) * d:].view(t, hkv, d)  # strided rows
+    loc = torch.randperm(num_slots, generator=gen, device=DEV)[:t]
+    store_kv(k_buf, v_buf, loc, k, v)
+    ref.store_kv(want_k, want_v, loc, k, v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transfer_load_and_backup(layout, page_size, dtype):
+    from hicache.tiers.host.pool import HostKVPool
+
+    gen = fresh_gen()
+    layers, hkv, d, dev_slots, host_tokens = 4, 3, 64, 4096, 8192
+    host = HostKVPool(host_tokens, page_size, layers, hkv, d, dtype, layout, pin=True)
+    host.buffer.copy_(torch.randn(host.buffer.shape, generator=gen, device=DEV).to(dtype).cpu())
+    k_bufs = [torch.randn(dev_slots, hkv, d, generator=gen, device=DEV).to(dtype) for _ in range(layers)]
+    v_bufs = [torch.randn(dev_slots, hkv, d, generator=gen, device=DEV).to(dtype) for _ in range(layers)]
+    ptrs = layer_pointers(k_bufs, v_bufs)
+    n_pages = 40
+    host_pages = torch.randperm(host_tokens // page_size, generator=gen, device=DEV)[:n_pages]
+    dev_pages = torch.randperm(dev_slots // page_size, generator=gen, device=DEV)[:n_pages]
+    ar = torch.arange(page_size, device=DEV)
+    hslots = (host_pages[:, None] * page_size + ar).reshape(-1)
+    dslots = (dev_pages[:, None] * page_size + ar).reshape(-1)
+
+    for layer in range(layers):  # load-back, one launch per layer
+        copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layer, layer + 1), to_host=False)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        hk, hv = host.get_layer(layer, hslots.cpu())
+        assert torch.equal(k_bufs[layer][dslots].cpu(), hk) and torch.equal(v_bufs[layer][dslots].cpu(), hv)
+
+    for b in k_bufs + v_bufs:  # new device contents, then backup all layers in one launch
+        b.copy_(torch.randn(b.shape, generator=gen, device=DEV).to(dtype))
+    before = host.buffer.clone()
+    copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layers), to_host=True)
+    torch.cuda.synchronize()
+    want = HostKVPool(host_tokens, page_size, layers, hkv, d, dtype, layout, pin=False)
+    want.buffer.copy_(before)
+    for layer in range(layers):
+        want.set_layer(layer, hslots.cpu(), k_bufs[layer][dslots], v_bufs[layer][dslots])
+    assert torch.equal(host.buffer, want.buffer)  # the backed-up slots changed, no other byte did
+
+
+def test_launchers_reject_bad_arguments():
+    k_buf = torch.zeros(16, 2, 64, device=DEV, dtype=torch.bfloat16)
+    table = torch.zeros(2, 16, dtype=torch.int64, device=DEV)
+    one = torch.ones(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_attention(torch.zeros(1, 3, 64, device=DEV, dtype=torch.bfloat16), k_buf, k_buf, table, one, one, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(torch.zeros(1, 4, 64, device=DEV), k_buf, k_buf, table, one, one, 1.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        decode_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k_buf, k_buf, table, one, one, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(torch.zeros(1, 4, 64, device=DEV, dtype=torch.bfloat16), k_buf, k_buf, table, one,
+                         torch.ones(2, dtype=torch.int64, device=DEV), 1.0)
+    with pytest.raises(ValueError, match="extend_lens"):
+        extend_attention(torch.zeros(1, 4, 64, device=DEV, dtype=torch.bfloat16), k_buf, k_buf, table, one, one,
+                         torch.ones(2, dtype=torch.int64, device=DEV), one, 1, 1.0)
+    with pytest.raises(ValueError, match="loc"):
+        store_kv(k_buf, k_buf, one.float(), torch.zeros(1, 2, 64, device=DEV, dtype=torch.bfloat16),
+                 torch.zeros(1, 2, 64, device=DEV, dtype=torch.bfloat16))
+    ptrs = layer_pointers([k_buf], [k_buf])
+    with pytest.raises(ValueError, match="pinned"):
+        copy_kv(torch.zeros(2, 1, 16, 2, 64, dtype=torch.bfloat16), "layer_first", ptrs, one, one, range(1), False)
+    with pytest.raises(ValueError, match="dtype"):
+        copy_kv(torch.zeros(2, 1, 16, 2, 64, pin_memory=True), "layer_first", ptrs, one, one, range(1), False)
