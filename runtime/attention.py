@@ -1,9 +1,12 @@
 """Attention backends: store the new tokens' K/V in the L1 pool and attend over the paged KV.
 
-Selected by name (`attention_backend`); "torch" is the reference path used on CPU.
+Selected by name (`attention_backend`): "torch" is the reference path (any device, used on CPU);
+"triton" runs the Triton kernels of `hicache.kernels` (CUDA). "auto" picks triton on CUDA and
+torch on CPU (`resolve_attention_backend`).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -30,10 +33,64 @@ class TorchAttention:
         return extend_attention(q, k_buf, v_buf, batch.token_slots, batch.extend_lens, self.scale)
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[int], TorchAttention]] = {"torch": TorchAttention}
+class TritonAttention:
+    """CUDA backend: Triton KV store, extend (prefill with a cached prefix) and split-K decode,
+    all reading the KV through the request-to-token table. No host sync inside a forward pass."""
+
+    def __init__(self, head_dim: int):
+        if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
+        from hicache.kernels import decode, extend, store  # needs triton: imported only here
+
+        self._decode, self._extend, self._store = decode, extend, store
+        self.scale = head_dim ** -0.5
+        self._num_sms: int | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
+        self._store.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        if batch.mode == "decode":
+            return self._decode.decode_attention(q, k_buf, v_buf, batch.req_to_token, batch.req_rows,
+                                                 batch.seq_lens, self.scale, self.num_splits(batch, k_buf))
+        return self._extend.extend_attention(q, k_buf, v_buf, batch.req_to_token, batch.req_rows, batch.prefix_lens,
+                                             batch.extend_lens_dev, batch.q_starts, batch.max_extend, self.scale)
+
+    def num_splits(self, batch: ForwardBatch, k_buf: torch.Tensor) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(k_buf.device).multi_processor_count
+        return self._decode.default_num_splits(len(batch.extend_lens), k_buf.shape[1], batch.max_seq_len,
+                                               self._num_sms)
 
 
-def make_attention_backend(name: str, head_dim: int) -> TorchAttention:
+class AutoAttention:
+    """"auto": on the first forward pass, becomes triton when the KV pool is on CUDA and triton
+    is importable, torch otherwise (the model's device is only known once it runs)."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+        self.impl: TorchAttention | TritonAttention | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        if self.impl is None:
+            name = resolve_attention_backend("auto", q.device)
+            self.impl = ATTENTION_BACKENDS[name](self.head_dim)
+        return self.impl.forward(q, k, v, layer_id, batch)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[int], object]] = {
+    "auto": AutoAttention, "torch": TorchAttention, "triton": TritonAttention}
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"auto" -> triton on CUDA when triton is importable, else torch; other names unchanged."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+
+def make_attention_backend(name: str, head_dim: int):
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r}")
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     return ATTENTION_BACKENDS[name](head_dim)

@@ -39,6 +39,14 @@ class ForwardBatch:
     token_slots: list[torch.Tensor]  # extend: per request [start + extend_len] int64 slots
     slot_table: torch.Tensor | None = None  # decode: [B, L] int64
     seq_lens: torch.Tensor | None = None  # decode: [B] int64
+    # For kernels that read the request-to-token table directly (triton):
+    req_to_token: torch.Tensor | None = None  # [R, C] int64, device: the whole table
+    req_rows: torch.Tensor | None = None  # [N] int64, device: each request's row
+    prefix_lens: torch.Tensor | None = None  # [N] int64, device: tokens before the new ones
+    extend_lens_dev: torch.Tensor | None = None  # [N] int64, device
+    q_starts: torch.Tensor | None = None  # [N] int64, device: first new token of each request in q
+    max_extend: int = 0
+    max_seq_len: int = 0
 
 
 class StepOutput(NamedTuple):

@@ -20,7 +20,7 @@ class RuntimeConfig:
     chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
-    attention_backend: str = field(default="torch", metadata={"help": "Attention kernels: torch (the reference path, used on CPU)."})
+    attention_backend: str = field(default="auto", metadata={"help": "Attention kernels: auto (triton on CUDA, torch on CPU), triton (CUDA) or torch (the reference path)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 
     def __post_init__(self) -> None:
@@ -30,6 +30,8 @@ class RuntimeConfig:
             raise ValueError(f"load_format must be auto, gguf, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:

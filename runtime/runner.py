@@ -42,11 +42,16 @@ class ModelRunner:
             locs.append(slots[start:])
             token_slots.append(slots)
         batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots)
+        lens = torch.tensor(plan.extend_lens)
+        meta = torch.stack([torch.tensor([r.row for r in plan.reqs]), torch.tensor(plan.starts), lens,
+                            lens.cumsum(0) - lens]).to(self.device, non_blocking=True)  # one copy
+        batch.req_to_token = self.req_table.table
+        batch.req_rows, batch.prefix_lens, batch.extend_lens_dev, batch.q_starts = meta.unbind(0)
+        batch.max_extend = max(plan.extend_lens)
+        batch.max_seq_len = max(s + n for s, n in zip(plan.starts, plan.extend_lens))
         if plan.mode == "decode":
-            rows = torch.tensor([r.row for r in plan.reqs], device=self.device)
-            seq_lens = torch.tensor([s + 1 for s in plan.starts], device=self.device)
-            batch.slot_table = self.req_table.table[rows, : int(seq_lens.max())]
-            batch.seq_lens = seq_lens
+            batch.seq_lens = batch.prefix_lens + 1
+            batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.cat(pos).to(self.device), batch
 

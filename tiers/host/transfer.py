@@ -1,8 +1,11 @@
-"""The L1 <-> L2 transfer engine: torch index copies (the reference the GPU kernels must match).
+"""The L1 <-> L2 transfer engine.
 
-On CPU a copy runs inside `backup` / `load` and its result waits for the next `poll()`. On CUDA
-the copies run on side streams (one for writes, one for loads) ordered after the work already
-queued on the compute stream, and `poll()` reports a ticket once its finish event has fired.
+On CPU a copy runs inside `backup` / `load` (torch index copies) and its result waits for the next
+`poll()`. On CUDA the copies run on side streams (one for writes, one for loads) ordered after the
+work already queued on the compute stream, and `poll()` reports a ticket once its finish event has
+fired. There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
+kernel of `hicache.kernels.transfer`: one launch per layer for a load, one launch for all layers
+of a backup; "direct" keeps the torch index copies.
 """
 from __future__ import annotations
 
@@ -31,8 +34,7 @@ class _Pending(NamedTuple):
 class HostTransferEngine:
     """`tiers.base.TransferEngine` over a `DeviceKVPool` and a `HostKVPool`.
 
-    `io_backend` is recorded for the GPU kernels to come; today both backends are torch index
-    copies. Only the scheduler thread calls it.
+    Only the scheduler thread calls it.
     """
 
     def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "kernel"):
@@ -46,8 +48,15 @@ class HostTransferEngine:
         self._done: list[TransferResult] = []
         self._pending: dict[int, _Pending] = {}
         self._streams = None
+        self._layers = None  # kernels.transfer.DeviceLayers when the Triton kernel copies
         if self.device.type == "cuda":
             self._streams = {"backup": torch.cuda.Stream(self.device), "load": torch.cuda.Stream(self.device)}
+            if io_backend == "kernel" and host_pool.pinned:
+                from hicache.kernels.transfer import layer_pointers  # needs triton: CUDA only
+
+                n = device_pool.num_layers
+                self._layers = layer_pointers([device_pool.k_buffer(i) for i in range(n)],
+                                              [device_pool.v_buffer(i) for i in range(n)])
 
     # ---- submit ---------------------------------------------------------------------------
 
@@ -88,6 +97,8 @@ class HostTransferEngine:
         self._pending[ticket] = _Pending(ticket, kind, int(device_slots.numel()), start, event)
 
     def _copy(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
+        if self._layers is not None:
+            return self._copy_kernel(kind, device_slots, host_slots, on_layer)
         dev, host = self.device_pool, self.host_pool
         dslots = device_slots.to(self.device, non_blocking=True)
         for layer in range(dev.num_layers):
@@ -99,6 +110,20 @@ class HostTransferEngine:
                 dev.v_buffer(layer)[dslots] = v.to(self.device, non_blocking=True)
                 if on_layer is not None:
                     on_layer(layer)
+
+    def _copy_kernel(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
+        from hicache.kernels.transfer import copy_kv
+
+        host, layers = self.host_pool, self.device_pool.num_layers
+        dslots = device_slots.to(self.device, non_blocking=True)
+        hslots = host_slots.to(self.device, non_blocking=True)
+        if kind == "backup":
+            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers), to_host=True)
+            return
+        for layer in range(layers):
+            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layer, layer + 1), to_host=False)
+            if on_layer is not None:
+                on_layer(layer)
 
     def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None) -> None:
         nbytes = tokens * self.host_pool.bytes_per_token() if error is None else 0
