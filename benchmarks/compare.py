@@ -105,6 +105,16 @@ class Server:
     def tiers(self) -> dict:
         return httpx.get(self.url + "/hicache/stats", timeout=60).json()["tiers"]
 
+    def drain(self, timeout: float = 300) -> dict:
+        """Waits for the tiers' background copies (L1 -> L2, L2 -> L3 backups) to finish; the tiers' stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            tiers = self.tiers()
+            busy = sum(int(t.get("in_flight", 0)) + int(t.get("backups_in_flight", 0)) for t in tiers.values())
+            if not busy or time.monotonic() > deadline:
+                return tiers
+            time.sleep(0.5)
+
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
@@ -153,7 +163,7 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
         task = progress.add_task(cfg.name, total=total)
         result = asyncio.run(multiturn.run(wl, workload, lambda _: progress.advance(task)))
         result["server"] = {"config": cfg.name, "flags": [*args.server_flags, *cfg.flags], "capacity_tokens": cap,
-                            "tiers_after": server.tiers()}
+                            "tiers_after": server.drain()}  # so that a warm restart finds every backup
     except Exception:
         progress.console.print(f"[red]{cfg.name} failed[/]; server log tail:\n{server.log_tail()}")
         raise

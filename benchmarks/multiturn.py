@@ -241,7 +241,7 @@ class Driver:
         self.error: BaseException | None = None
 
     async def run(self) -> float:
-        """Returns the duration from the first send to the last reply."""
+        """Returns the duration from the first send to the last reply; a failed request fails the run."""
         for turn in self.workload.start():
             self._admit(turn)
         t0 = time.perf_counter()
@@ -259,6 +259,8 @@ class Driver:
         finally:
             for task in self.tasks:
                 task.cancel()
+        if self.error is not None:
+            raise self.error
         return max(r.start + r.e2e for r in self.records) - t0 if self.records else 0.0
 
     def _pop(self) -> Turn:
@@ -380,8 +382,6 @@ async def run(args, workload, on_done: Callable[[Record], None] | None = None) -
         request = native_request if args.api == "native" else openai_request
         driver = Driver(workload, lambda turn: request(http, turn, args), args, on_done)
         duration = await driver.run()
-        if driver.error is not None:
-            raise driver.error
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "benchmark": args.benchmark, "tag": args.tag,
             "url": args.url, "api": args.api,
             "args": {k: "inf" if v == float("inf") else v for k, v in vars(args).items() if k != "api_key"},

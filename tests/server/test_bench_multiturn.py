@@ -1,8 +1,10 @@
-"""The benchmark suite against a live server: benchmarks/multiturn.py (native and OpenAI clients) and
+"""The benchmark suite: multiturn.py's driver against a fake server (arrival rules, errors), then
+against a live server benchmarks/multiturn.py (native and OpenAI clients) and
 benchmarks/long_context.py run as scripts for a tiny workload; the JSON lines they append are
 checked, then fed to compare.py's table and plots."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,10 +14,77 @@ import pytest
 
 from server_harness import start_server
 
-pytestmark = pytest.mark.slow
-
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import multiturn  # noqa: E402
+
+sys.path.remove(str(BENCH))
 CLIENTS, ROUNDS, QUESTION, OUTPUT, PAGE = 4, 3, 32, 4, 16
+
+
+def fake_server(fail_at: tuple[int, int] | None = None):
+    """A `send` that answers after a short sleep with OUTPUT tokens, and a log of (event, session, round)."""
+    log, active = [], [0]
+
+    async def send(turn):
+        active[0] += 1
+        log.append(("start", turn.session, turn.round, active[0]))
+        await asyncio.sleep(0.01 * (1 + 10 * turn.session))  # conversation 0 is fast, 2 slow
+        active[0] -= 1
+        log.append(("end", turn.session, turn.round, active[0]))
+        if (turn.session, turn.round) == fail_at:
+            raise RuntimeError("HTTP 500: boom")
+        return multiturn.Reply([(multiturn.time.perf_counter(), OUTPUT)], [7] * OUTPUT, len(turn.prompt), OUTPUT,
+                               len(turn.prompt) // 2, {"device": len(turn.prompt) // 2})
+
+    return send, log
+
+
+def drive(argv: list[str], send) -> tuple[multiturn.Driver, float]:
+    args = multiturn.parse_args(["--num-clients", "3", "--num-rounds", "3", "--request-length", "8",
+                                 "--output-length", str(OUTPUT), *argv])
+    driver = multiturn.Driver(multiturn.MultiTurn(args), send, args)
+    return driver, asyncio.run(driver.run())
+
+
+def test_driver_round_barrier_and_in_flight_cap():
+    send, log = fake_server()
+    driver, duration = drive(["--round-barrier", "--max-parallel", "2"], send)
+    assert len(driver.records) == 9 and duration > 0
+    assert max(e[3] for e in log if e[0] == "start") == 2  # the cap, reached
+    for r in (1, 2):  # no round-r request starts before every round r-1 request has ended
+        first_start = min(i for i, e in enumerate(log) if e[0] == "start" and e[2] == r)
+        last_end = max(i for i, e in enumerate(log) if e[0] == "end" and e[2] == r - 1)
+        assert last_end < first_start
+    # each round resends the conversation: round r's prompt = (r + 1) questions + r answers
+    assert sorted({(r.round, r.prompt_tokens) for r in driver.records}) == [(0, 8), (1, 20), (2, 32)]
+
+
+def test_driver_without_barrier_lets_fast_conversations_run_ahead():
+    send, log = fake_server()
+    drive(["--max-parallel", "3"], send)
+    starts = [(e[1], e[2]) for e in log if e[0] == "start"]
+    assert starts.index((0, 2)) < starts.index((2, 1))  # the fastest conversation is a round ahead
+
+
+def test_driver_error_fails_the_run():
+    send, _ = fake_server(fail_at=(1, 1))
+    with pytest.raises(RuntimeError, match="boom"):
+        drive(["--round-barrier"], send)
+
+
+def test_summary_metrics():
+    records = [multiturn.make_record(multiturn.Turn(0, r, []), 10.0,
+                                     multiturn.Reply([(10.5, 1), (10.7, 2), (11.0, 1)], [], 100, 4, 50 * r,
+                                                     {"device": 30 * r, "host": 20 * r}))
+               for r in range(2)]
+    assert records[0].ttft == pytest.approx(0.5) and records[0].e2e == pytest.approx(1.0)
+    assert records[0].itls == pytest.approx([0.1, 0.1, 0.3])  # a chunk of two tokens: two gaps of half
+    s = multiturn.summarize(records, 2.0)
+    assert s["request_throughput"] == 1.0 and s["input_token_throughput"] == 100 and s["output_token_throughput"] == 4
+    assert s["cache_hit_rate"] == 0.25 and s["hit_rate_by_tier"] == {"device": 0.15, "host": 0.1, "storage": 0.0}
+    assert [r["cache_hit_rate"] for r in s["rounds"]] == [0.0, 0.5]
+    assert s["ttft_ms"]["p50"] == pytest.approx(500) and s["working_set_tokens"] == 104
 
 
 def storage_off() -> list[str]:
@@ -54,6 +123,7 @@ def check_latencies(result: dict) -> None:
     assert result["request_throughput"] > 0
 
 
+@pytest.mark.slow
 def test_multiturn_native(small_l1_server, tmp_path):
     log = tmp_path / "mt.jsonl"
     result = run_bench("multiturn.py", small_l1_server.url, log, "--num-clients", str(CLIENTS), "--num-rounds",
@@ -81,6 +151,7 @@ def test_multiturn_native(small_l1_server, tmp_path):
     assert len(log.read_text().splitlines()) == 2 and again["requests"] == 4  # appended, not overwritten
 
 
+@pytest.mark.slow
 def test_multiturn_openai(small_l1_server, tmp_path):
     result = run_bench("multiturn.py", small_l1_server.url, tmp_path / "oa.jsonl", "--api", "openai",
                        "--num-clients", "2", "--num-rounds", "2", "--request-length", "24", "--distribution",
@@ -93,6 +164,7 @@ def test_multiturn_openai(small_l1_server, tmp_path):
     check_latencies(result)
 
 
+@pytest.mark.slow
 def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
     result = run_bench("long_context.py", small_l1_server.url, tmp_path / "lc.jsonl", "--num-docs", "2",
                        "--doc-length", "64", "96", "--questions-per-doc", "3", "--question-length", "8",
