@@ -329,7 +329,8 @@ class StorageController:
         def tokens(nbytes) -> int:
             return int(nbytes) // self.bytes_per_token
 
-        out = {"enabled": True, "backend": self.backend, "status": self.engine.status(),
+        status = self.engine.status()
+        out = {"enabled": True, "backend": self.backend, "status": status, "degraded": status != "ok",
                "prefetch_policy": self.options.policy, "bytes_per_token": self.bytes_per_token,
                "used_tokens": tokens(engine.get("used_bytes", 0)),
                "capacity_tokens": tokens(engine.get("capacity_bytes", 0)),

@@ -15,7 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # tier stats keys that are levels, not running totals
 _GAUGE_HINTS = ("used", "capacity", "bandwidth", "occupancy", "cached_tokens", "bytes_per_token", "enabled", "pages",
-                "in_flight")
+                "in_flight", "degraded", "prefetching")
 
 
 class SchedulerCollector:

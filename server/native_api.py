@@ -28,6 +28,7 @@ from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerMana
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+HEALTH_STATS_TIMEOUT_S = 2.0
 
 
 # ---- /generate ------------------------------------------------------------------------------
@@ -128,10 +129,18 @@ async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi:
 
 @router.get("/health")
 async def health(request: Request):
+    """200 while the scheduler runs. `details.storage` is the L3 tier's state ("ok", "degraded:
+    <why>" while its backend is unreachable: the server still serves, recomputing, "disabled")."""
     tm = tm_of(request)
     if not tm.alive:
         return error_response(503, tm.dead_reason or "scheduler process is not running", code="service_unavailable")
-    return {"status": "ok"}
+    try:
+        reply = await tm.control("stats", timeout=HEALTH_STATS_TIMEOUT_S)
+        storage = (reply.data or {}).get("tiers", {}).get("storage", {}) if reply.ok else {}
+        state = storage.get("status", "ok") if storage.get("enabled") else "disabled"
+    except SchedulerUnavailable:
+        state = "unknown: the scheduler did not answer"
+    return {"status": "ok", "details": {"storage": state}}
 
 
 @router.get("/health_generate")

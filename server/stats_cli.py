@@ -12,7 +12,8 @@ from rich.live import Live
 from rich.table import Table
 
 TIERS = ("device", "host", "storage")
-_SHOWN = {"used_tokens", "capacity_tokens", "cached_tokens", "hit_tokens", "evicted_tokens", "enabled", "bytes_per_token"}
+_SHOWN = {"used_tokens", "capacity_tokens", "cached_tokens", "hit_tokens", "evicted_tokens", "enabled", "bytes_per_token",
+          "status", "degraded"}
 
 
 class StatsUnavailable(Exception):
@@ -114,7 +115,11 @@ def _tier_table(name: str, tier: dict, rate: float | None) -> Table:
 def _tier_rows(tier: dict, rate: float | None) -> list[tuple[str, str]]:
     used, cap = tier.get("used_tokens", 0), tier.get("capacity_tokens", 0)
     per_token = tier.get("bytes_per_token")
-    rows = [("hit rate", "-" if rate is None else f"{100 * rate:.1f}%"),
+    rows = []
+    if "status" in tier:  # L3: "ok", or "degraded: <why>" while its backend is unreachable
+        status = str(tier["status"])
+        rows.append(("status", status if status == "ok" else f"[bold red]{status}[/bold red]"))
+    rows += [("hit rate", "-" if rate is None else f"{100 * rate:.1f}%"),
             ("hit tokens", _num(tier.get("hit_tokens"))),
             ("used / capacity", f"{_num(used)} / {_num(cap)} tok"),
             ("occupancy", f"{100 * used / cap:.1f}%" if cap else "-"),

@@ -1,0 +1,137 @@
+"""L3 with real server processes on the default model.
+
+- Warm restart: a multi-turn conversation, the server stopped, a new one started on the same LMDB
+  path: the same prompts are served from storage with identical greedy outputs.
+- Two servers sharing one real Redis: the second serves what the first computed. Redis down at
+  start-up (degraded, in /health and `hicache stats`), back (resumes), killed mid-run (requests
+  go on, errors counted, outputs unchanged), back again (storage resumes).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from hicache.server import stats_cli
+from server_harness import LIGHT_FLAGS, start_server
+
+pytestmark = pytest.mark.slow
+
+TURNS = ["Here is a long note about caches. " * 12 + "Summarise it in one line.",
+         "Now list three kinds of cache, one word each. " * 4,
+         "Which of them is the slowest? Answer briefly. " * 4]
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+STORAGE_OPTS = {"prefetch_threshold": 32}
+
+
+def storage_flags(backend: str, **extra) -> tuple[str, ...]:
+    return (*LIGHT_FLAGS, "--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config", json.dumps({**STORAGE_OPTS, **extra}))
+
+
+def generate(server, text: str) -> dict:
+    r = httpx.post(server.url + "/generate", json={"text": text, "sampling_params": GREEDY}, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def converse(server, turns=TURNS) -> list[dict]:
+    """Each turn's prompt is the whole conversation so far plus the next message."""
+    context, out = "", []
+    for turn in turns:
+        context += turn
+        res = generate(server, context)
+        out.append(res)
+        context += res["text"]
+    return out
+
+
+def storage_stats(server) -> dict:
+    return httpx.get(server.url + "/hicache/stats", timeout=30).json()["tiers"]["storage"]
+
+
+def health_storage(server) -> str:
+    return httpx.get(server.url + "/health", timeout=30).json()["details"]["storage"]
+
+
+def settle(server) -> dict:
+    """Waits until the server's L3 writes have landed."""
+    for _ in range(200):
+        s = storage_stats(server)
+        if s["backups_in_flight"] == 0:
+            return s
+        time.sleep(0.1)
+    raise AssertionError("L3 backups still in flight")
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.2)
+
+
+def test_warm_restart_is_served_from_lmdb(tmp_path):
+    flags = storage_flags("lmdb", path=str(tmp_path / "lmdb"))
+    first = start_server(*flags)
+    try:
+        cold = converse(first)
+        assert health_storage(first) == "ok"
+        assert settle(first)["backed_up_tokens"] > 0
+    finally:
+        first.stop()
+    second = start_server(*flags)
+    try:
+        warm = converse(second)
+        stats = storage_stats(second)
+    finally:
+        second.stop()
+    assert [r["output_ids"] for r in warm] == [r["output_ids"] for r in cold]
+    details = [r["meta_info"]["cached_tokens_details"] for r in warm]
+    assert details[0]["storage"] >= 64, details
+    assert stats["hit_tokens"] == sum(d["storage"] for d in details) and stats["prefetched_tokens"] > 0
+
+
+def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys):
+    redis_server.stop()
+    flags = storage_flags("redis", url=redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
+    a = start_server(*flags)
+    b = None
+    try:
+        assert health_storage(a).startswith("degraded")  # Redis down at start-up: serving without L3
+        assert stats_cli.run(a.url, None, False, None) == 0
+        assert "degraded" in capsys.readouterr().out
+        redis_server.start()
+        wait_for(lambda: health_storage(a) == "ok")  # the worker's probe noticed it is back
+
+        b = start_server(*flags)
+        p, q = TURNS[0], TURNS[0][:200] + TURNS[1]
+        on_a = generate(a, p)
+        settle(a)
+        on_b = generate(b, p)
+        assert on_b["output_ids"] == on_a["output_ids"]
+        assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= 64
+
+        reference_q = generate(a, q)
+        redis_server.stop()  # killed mid-run
+        again = generate(b, q)
+        assert again["output_ids"] == reference_q["output_ids"]
+        assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
+        wait_for(lambda: health_storage(b).startswith("degraded"))
+        assert storage_stats(b)["errors"] > 0
+
+        redis_server.start()  # back, empty: storage resumes
+        wait_for(lambda: health_storage(b) == "ok")
+        r = TURNS[2] * 3
+        on_b = generate(b, r)
+        settle(b)
+        on_a = generate(a, r)
+        assert on_a["output_ids"] == on_b["output_ids"]
+        assert on_a["meta_info"]["cached_tokens_details"]["storage"] >= 64
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
