@@ -78,29 +78,62 @@ def reference(tiny_config_path):
     return lambda ps: [o[0] for o in run_each(sched, ps, "ref")]
 
 
+def flip_a_byte(path, namespace: str, key: str) -> None:
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=4)
+    db = env.open_db(b"pages")
+    with env.begin(write=True, db=db) as txn:
+        raw = bytes.fromhex(namespace)[:8] + bytes.fromhex(key)
+        value = bytearray(txn.get(raw))
+        value[len(value) // 2] ^= 0x40
+        txn.put(raw, bytes(value))
+    env.close()
+
+
 def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, reference, tmp_path):
     ps = prompts(1)
     first = l3_scheduler(tiny_config_path, path=str(tmp_path))
     cold = run_each(first, ps, "a")
     settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 3 * 88
+    seed = first.storage.seed("")
     first.close()
+    flip_a_byte(tmp_path, seed.hex(), page_keys(seed, ps[1], PAGE)[4])  # prompt 1's fifth page
     second = l3_scheduler(tiny_config_path, path=str(tmp_path))
     warm = run_each(second, ps, "b")
     want = reference(ps)
     assert [o for o, _ in cold] == want and [o for o, _ in warm] == want
-    for _, meta in warm:
-        assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 88}, meta
+    assert [m["cached_tokens_details"] for _, m in warm] == [
+        {"device": 0, "host": 0, "storage": 88}, {"device": 0, "host": 0, "storage": 4 * PAGE},
+        {"device": 0, "host": 0, "storage": 88}]
     stats = second.stats()
     storage = stats["tiers"]["storage"]
-    assert storage["status"] == "ok" and storage["backend"] == "lmdb"
-    assert storage["hit_tokens"] == stats["tokens"]["cached"]["storage"] == 3 * 88
-    assert storage["prefetched_tokens"] == 3 * 88 and storage["prefetched_bytes"] > 0
+    assert storage["status"] == "ok" and storage["backend"] == "lmdb" and storage["corrupt_pages"] == 1
+    assert storage["hit_tokens"] == stats["tokens"]["cached"]["storage"] == 2 * 88 + 4 * PAGE
+    assert storage["prefetched_bytes"] > 0
     assert storage["used_tokens"] > 0 and storage["capacity_tokens"] > storage["used_tokens"]
     settle(second)
     assert second.flush_cache()
     second.check_integrity()
     second.close()
+
+
+def test_lmdb_filled_past_its_cap_evicts_and_serves(tiny_config_path, reference, tmp_path):
+    ps = prompts(7, n=6)
+    page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE  # tiny-llama: K and V, 2 layers, 2 KV heads, head_dim 16, fp32
+    cap_gb = 40 * page_bytes / 1e9  # room for about two prompts of 22 pages
+    first = l3_scheduler(tiny_config_path, path=str(tmp_path), size_cap_gb=cap_gb)
+    run_each(first, ps, "a")
+    settle(first)
+    storage = first.stats()["tiers"]["storage"]
+    assert storage["evicted_tokens"] > 0 and storage["used_tokens"] * storage["bytes_per_token"] <= cap_gb * 1e9
+    first.close()
+    second = l3_scheduler(tiny_config_path, path=str(tmp_path), size_cap_gb=cap_gb)
+    order = ps[::-1]  # newest first: the last prompt written is still stored, the first ones are not
+    warm = run_each(second, order, "b")
+    assert [o for o, _ in warm] == reference(order)
+    assert [m["cached_tokens_details"]["storage"] for _, m in warm][::5] == [88, 0]
 
 
 def test_shorter_than_the_threshold_is_not_prefetched(tiny_config_path, tmp_path):
