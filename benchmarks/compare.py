@@ -15,7 +15,9 @@ conversation at its final length), so that L1 cannot hold it: the case HiCache e
 script prints the working set and each tier's capacity (from `/hicache/stats`), shows a progress bar
 per configuration, and writes under `--out` (default `benchmarks/results/`): `NAME.md` (tables),
 `NAME.jsonl` (one line per configuration, from multiturn.py), `NAME_ttft_by_round.png`,
-`NAME_throughput.png` and `NAME_hit_rate_by_round.png`.
+`NAME_throughput.png` and `NAME_hit_rate_by_round.png`. `--replot` rewrites the table and plots from
+the latest line of each configuration in `NAME.jsonl`, so configurations can be run in separate
+invocations (`--configs ...`; `--l3-path` keeps the LMDB folder for a later `L3-warm`).
 
 Workload options after the compare options go to `multiturn.py` (or `long_context.py` with
 `--workload long_context`); `--url` and `--log-file` are set here. The CPU comparison of
@@ -62,7 +64,7 @@ def storage_flags_available() -> bool:
 def configs(args, l3_dir: Path, with_l3: bool) -> list[Config]:
     none = ["--hicache-storage-backend", "none"] if with_l3 else []
     lmdb = ["--hicache-ratio", str(args.hicache_ratio), "--hicache-storage-backend", "lmdb",
-            "--hicache-storage-backend-extra-config", json.dumps({"path": str(l3_dir)})]
+            "--hicache-storage-backend-extra-config", json.dumps({"path": str(l3_dir), **json.loads(args.l3_config)})]
     table = {"radix-off": Config("radix-off", ["--disable-radix-cache", "--disable-hierarchical-cache", *none]),
              "L1": Config("L1", ["--disable-hierarchical-cache", *none]),
              "L1+L2": Config("L1+L2", ["--hicache-ratio", str(args.hicache_ratio), *none]),
@@ -180,31 +182,48 @@ def l1_tokens(args, wl: argparse.Namespace) -> int:
 
 def main(argv=None) -> None:
     args, wl_argv = parse_args(argv)
-    module = long_context if args.workload == "long_context" else multiturn
-    wl = module.parse_args(wl_argv)
-    working_set = planned_working_set(wl)
-    l1 = l1_tokens(args, wl)
-    args.server_flags = ["--page-size", str(args.page_size), "--max-total-tokens", str(l1), *args.server_args]
-    with_l3 = storage_flags_available()
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = args.out / f"{args.name}.jsonl"
+    if args.replot:
+        return write_outputs(latest_per_config(log_file), args)
+    module = long_context if args.workload == "long_context" else multiturn
+    wl = module.parse_args(wl_argv)
+    working_set, l1 = planned_working_set(wl), l1_tokens(args, wl)
+    args.server_flags = ["--page-size", str(args.page_size), "--max-total-tokens", str(l1), *args.server_args]
+    with_l3 = storage_flags_available()
+    if args.l3_path and "L1+L2+L3" in args.configs and args.l3_path.exists() and any(args.l3_path.iterdir()):
+        raise SystemExit(f"--l3-path {args.l3_path} is not empty: L1+L2+L3 starts from an empty L3")
     wl_argv = [*wl_argv, "--log-file", str(log_file)]
     print(f"working set about {working_set} tokens; L1 {l1} tokens ({l1 / working_set:.0%}); "
           f"L2 {args.hicache_ratio:g} x L1 where on")
     if not with_l3:
         print("hicache serve has no --hicache-storage-backend yet: the L3 configurations are skipped")
+    command = "python -u benchmarks/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results = []
     with tempfile.TemporaryDirectory(prefix="hicache-compare-") as tmp, \
             Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        for cfg in configs(args, Path(tmp) / "lmdb", with_l3):
+        for cfg in configs(args, args.l3_path or Path(tmp) / "lmdb", with_l3):
             result = run_config(cfg, args, wl_argv, module, bar, Path(tmp))
+            result["compare"] = {"command": command, "planned_working_set": working_set, "l1_tokens": l1}
             multiturn.append_jsonl(result, log_file)
             results.append(result)
             bar.console.print(multiturn.report(result))
-    command = "python -u benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = markdown(results, command, working_set, l1)
+    write_outputs(results, args)
+
+
+def latest_per_config(log_file: Path) -> list[dict]:
+    """The last line of each configuration in a compare JSONL file, in the configurations' order."""
+    latest = {}
+    for line in log_file.read_text().splitlines():
+        result = json.loads(line)
+        latest[result["tag"]] = result
+    return [latest[n] for n in ALL_CONFIGS if n in latest]
+
+
+def write_outputs(results: list[dict], args) -> None:
+    md = markdown(results)
     (args.out / f"{args.name}.md").write_text(md)
     plot(results, args.out, args.name)
     print("\n" + md)
@@ -217,6 +236,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--l1-fraction", type=float, default=0.25, help="L1 size as a fraction of the working set")
     p.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size as a multiple of L1")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--l3-path", type=Path, default=None,
+                   help="LMDB folder of the L3 configurations, to keep it between invocations "
+                        "(default: a temporary folder); L1+L2+L3 wants it empty or absent")
+    p.add_argument("--l3-config", default="{}",
+                   help='more keys of the L3 configurations\' --hicache-storage-backend-extra-config, as JSON, '
+                        'e.g. \'{"prefetch_threshold": 64}\'')
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: rewrite the table and plots from the latest line per configuration of NAME.jsonl")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="more `hicache serve` flags for every configuration (put last, before --)")
     p.add_argument("--name", default="compare", help="file name stem of the outputs")
@@ -229,12 +256,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 # ---- outputs ----------------------------------------------------------------------------------
 
 
-def markdown(results: list[dict], command: str, working_set: int, l1: int) -> str:
+def markdown(results: list[dict]) -> str:
     first = results[0]
     rounds = [r["round"] for r in first["rounds"]]
-    lines = [f"Command: `{command}`", "",
+    commands = list(dict.fromkeys(r["compare"]["command"] for r in results))
+    lines = [*(f"Command: `{c}`" for c in commands), "",
              f"{first['requests']} requests per configuration; working set {first['working_set_tokens']} tokens "
-             f"(planned {working_set}), L1 {l1} tokens; {time.strftime('%Y-%m-%d %H:%M %Z')}.", "",
+             f"(planned {first['compare']['planned_working_set']}), L1 {first['compare']['l1_tokens']} tokens; "
+             f"run {first['time']}.", "",
              "| configuration | capacity L1 / L2 / L3 (tokens) | seconds | req/s | input tok/s | output tok/s | "
              "TTFT p50 / p90 / p99 (ms) | ITL p50 (ms) | E2E p50 (ms) | hit rate | L1 | L2 | L3 |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]

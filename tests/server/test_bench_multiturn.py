@@ -180,10 +180,14 @@ def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
         import compare
     finally:
         sys.path.remove(str(BENCH))
-    results = [dict(result, tag=name, server={"capacity_tokens": {"device": 192, "host": 768, "storage": 0}})
-               for name in ("L1", "L1+L2")]
-    md = compare.markdown(results, "compare.py --test", 1000, 192)
-    assert md.count("\n| L1") == 6 and "round 2" in md  # three tables, two configurations
-    compare.plot(results, tmp_path, "t")
+    log = tmp_path / "t.jsonl"
+    for name in ("L1+L2", "L1", "L1"):  # written out of order, L1 twice: the table takes the latest, in order
+        multiturn.append_jsonl(dict(result, tag=name, server={"capacity_tokens": {"device": 192, "host": 768, "storage": 0}},
+                                    compare={"command": "compare.py --test", "planned_working_set": 1000,
+                                             "l1_tokens": 192}), log)
+    compare.main(["--replot", "--name", "t", "--out", str(tmp_path)])
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("\n| L1 |") == 3 and md.count("\n| L1+L2 |") == 3  # three tables, one row each
+    assert md.index("\n| L1 |") < md.index("\n| L1+L2 |") and "round 2" in md and "compare.py --test" in md
     for suffix in ("ttft_by_round", "throughput", "hit_rate_by_round"):
         assert (tmp_path / f"t_{suffix}.png").stat().st_size > 1000
