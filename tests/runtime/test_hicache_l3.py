@@ -74,8 +74,20 @@ def run_each(sched: Scheduler, ps: list[list[int]], tag: str) -> list[list]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_config_path):
-    sched = l3_scheduler(tiny_config_path, backend="none", total=4096, disable_radix_cache=True)
-    return lambda ps: [o[0] for o in run_each(sched, ps, "ref")]
+    """Greedy outputs with no cache at all, per prompt (memoised; new prompts run as one batch)."""
+    sched = l3_scheduler(tiny_config_path, backend="none", total=16384, disable_radix_cache=True)
+    memo: dict[tuple, list[int]] = {}
+
+    def outputs(ps: list[list[int]]) -> list[list[int]]:
+        todo = list({tuple(p) for p in ps if tuple(p) not in memo})
+        for i, p in enumerate(todo):
+            sched.add_request(GenerateRequest(f"ref{i}", list(p), dict(GREEDY)))
+        got = drain(sched)
+        for i, p in enumerate(todo):
+            memo[p] = got[f"ref{i}"][0]
+        return [memo[tuple(p)] for p in ps]
+
+    return outputs
 
 
 def flip_a_byte(path, namespace: str, key: str) -> None:
@@ -255,3 +267,49 @@ def test_a_full_backup_queue_drops_and_counts(tiny_config_path, reference):
     settle(sched)
     storage = sched.stats()["tiers"]["storage"]
     assert storage["backup_dropped_tokens"] > 0 and storage["backed_up_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
+def test_random_stress_with_prefetches_keeps_integrity_and_outputs(tiny_config_path, reference, policy):
+    """L1 and L2 too small for the working set, L3 (memory, slow and sometimes failing) holding
+    it: arrivals, aborts, prefetches cut short, failures; integrity after every step."""
+    rng = random.Random(policy)
+    sched = l3_scheduler(tiny_config_path, backend="memory", policy=policy, total=192, ratio=1.0,
+                         prefetch_timeout_base=0.01, prefetch_timeout_per_ki_token=0.0)
+    backend = sched.storage.engine.backend
+    real_get = backend.batch_get
+
+    def slow_flaky(keys, pages):
+        time.sleep(rng.random() * 0.01)
+        if rng.random() < 0.05:
+            raise ConnectionError("injected")
+        return real_get(keys, pages)
+
+    backend.batch_get = slow_flaky
+    stems = prompts(8, n=5, length=70)
+    asked, aborted, results = {}, set(), {}
+    for step in range(200):
+        if rng.random() < 0.25:
+            rid = f"s{step}"
+            asked[rid] = rng.choice(stems)[: rng.randrange(20, 71)] + [rng.randrange(3, 500) for _ in range(3)]
+            sched.add_request(GenerateRequest(rid, asked[rid], dict(GREEDY)))
+        if rng.random() < 0.03 and sched.waiting:
+            victim = rng.choice(sched.waiting).rid
+            aborted.add(victim)
+            sched.abort(victim)
+        for o in sched.step():
+            results.setdefault(o.rid, []).extend(o.new_token_ids)
+        sched.check_integrity()
+    for rid, ids in drain(sched).items():
+        results.setdefault(rid, []).extend(ids[0])
+    done = [rid for rid in asked if rid not in aborted]
+    assert [results[rid] for rid in done] == reference([asked[rid] for rid in done])
+    storage = sched.stats()["tiers"]["storage"]
+    assert storage["prefetch_queries"] > 0 and storage["backed_up_tokens"] > 0
+    if policy != "best_effort":
+        assert storage["hit_tokens"] > 0, storage
+    settle(sched)
+    assert sched.flush_cache()
+    sched.check_integrity()
+    host = sched.cache.host_pool.allocator
+    assert host.num_free_tokens() == host.capacity_tokens()
