@@ -57,10 +57,14 @@ class TritonAttention:
                                              batch.extend_lens_dev, batch.q_starts, batch.max_extend, self.scale)
 
     def num_splits(self, batch: ForwardBatch, k_buf: torch.Tensor) -> int:
+        if batch.num_splits is not None:  # fixed when captured in a CUDA graph
+            return batch.num_splits
+        return self.splits_for(len(batch.extend_lens), k_buf.shape[1], batch.max_seq_len, k_buf.device)
+
+    def splits_for(self, batch_size: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
         if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(k_buf.device).multi_processor_count
-        return self._decode.default_num_splits(len(batch.extend_lens), k_buf.shape[1], batch.max_seq_len,
-                                               self._num_sms)
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._decode.default_num_splits(batch_size, num_kv_heads, max_len, self._num_sms)
 
 
 class AutoAttention:
@@ -71,12 +75,14 @@ class AutoAttention:
         self.head_dim = head_dim
         self.impl: TorchAttention | TritonAttention | None = None
 
+    def resolve(self, device: torch.device) -> TorchAttention | TritonAttention:
+        if self.impl is None:
+            self.impl = ATTENTION_BACKENDS[resolve_attention_backend("auto", device)](self.head_dim)
+        return self.impl
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
-        if self.impl is None:
-            name = resolve_attention_backend("auto", q.device)
-            self.impl = ATTENTION_BACKENDS[name](self.head_dim)
-        return self.impl.forward(q, k, v, layer_id, batch)
+        return self.resolve(q.device).forward(q, k, v, layer_id, batch)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[int], object]] = {

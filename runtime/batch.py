@@ -47,6 +47,7 @@ class ForwardBatch:
     q_starts: torch.Tensor | None = None  # [N] int64, device: first new token of each request in q
     max_extend: int = 0
     max_seq_len: int = 0
+    num_splits: int | None = None  # decode: split-K ranges, fixed inside a CUDA graph
 
 
 class StepOutput(NamedTuple):

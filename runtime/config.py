@@ -21,6 +21,7 @@ class RuntimeConfig:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
     attention_backend: str = field(default="auto", metadata={"help": "Attention kernels: auto (triton on CUDA, torch on CPU), triton (CUDA) or torch (the reference path)."})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton backend)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 
     def __post_init__(self) -> None:

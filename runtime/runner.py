@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hicache.runtime.attention import AutoAttention, TritonAttention
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
 from hicache.runtime.sampler import Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -14,16 +15,33 @@ from hicache.tiers.gpu.req_table import ReqToTokenTable
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: DeviceKVPool, req_table: ReqToTokenTable,
-                 attn, device: torch.device):
+                 attn, device: torch.device, cuda_graph: bool = False, max_batch: int = 256):
         self.model = model
         self.pool = pool
         self.req_table = req_table
         self.attn = attn
         self.device = device
         self.sampler = Sampler()
+        self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
+
+    def _capture(self, max_batch: int):
+        """Decode CUDA graphs when the attention backend is triton (the torch one syncs)."""
+        from hicache.runtime.cuda_graph import DecodeGraphs
+
+        impl = self.attn.resolve(self.device) if isinstance(self.attn, AutoAttention) else self.attn
+        if not isinstance(impl, TritonAttention):
+            return None
+        hkv = self.pool.k_buffer(0).shape[1]
+        return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, self.device, max_batch,
+                            lambda bs, max_len: impl.splits_for(bs, hkv, max_len, self.device))
 
     @torch.inference_mode()
     def run(self, plan: BatchPlan) -> StepOutput:
+        if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
+            logits = self.graphs.run([r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)],
+                                     [r.row for r in plan.reqs], [s + 1 for s in plan.starts])
+            rows = [i for i, s in enumerate(plan.sample) if s]
+            return self._sample(plan, rows, logits[rows])
         input_ids, positions, batch = self._prepare(plan)
         hidden = self.model(input_ids, positions, batch)
         rows = [i for i, s in enumerate(plan.sample) if s]
