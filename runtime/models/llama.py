@@ -12,6 +12,8 @@ the KV pool, attends with scale head_dim**-0.5 and returns [T, num_heads, head_d
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import re
 from typing import Any, Iterable
@@ -27,6 +29,23 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+@functools.cache
+def _cuda_kernels():
+    """`hicache.kernels.fused` (Triton RMSNorm, RoPE, SiLU-mul) where triton is installed, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from hicache.kernels import fused
+
+    return fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch path. As HF: normalise in fp32, cast back, then scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -34,10 +53,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in fp32, cast back, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:  # one launch instead of ~7
+            return _cuda_kernels().rmsnorm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -97,6 +115,8 @@ class RotaryEmbedding(nn.Module):
             self.ensure(self.max_positions, positions.device)
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
             self.ensure(2 * int(positions.max()) + 1, positions.device)
+        if positions.is_cuda and _cuda_kernels() is not None:  # one launch for q and k
+            return _cuda_kernels().rope(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -131,7 +151,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = F.linear(x, self.gate_up_proj)
+        if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
+            return F.linear(_cuda_kernels().silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj)
 
 

@@ -76,22 +76,30 @@ QUESTIONS = ["What is the capital of France?", "Name three prime numbers.", "Why
 @pytest.mark.parametrize("dtype,page_size,graphs", [("float32", 1, True), ("bfloat16", 64, True),
                                                     ("bfloat16", 1, False)])
 def test_smollm2_greedy_equals_hf(smollm2, dtype, page_size, graphs):
+    """fp32: the same tokens as HF. bf16 against HF's bf16: two bf16 computations round
+    differently, so where HF itself nearly ties they may part; every token we pick must then be
+    HF's argmax given our prefix, within 2% of the logit range."""
     path, hf_cpu, tok = smollm2
     system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and exactly." for i in range(40))
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS]
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+               for c in chats]
     second = [p + tok(" Answer again.").input_ids for p in prompts]
-    hf = hf_cpu.to("cuda", getattr(torch, dtype))
-    want, want_second = hf_greedy(hf, prompts, 16), hf_greedy(hf, second, 16)
-    hf_cpu.to("cpu", torch.float32)
     with Engine(str(path), dtype=dtype, page_size=page_size, max_total_tokens=1536, hicache_ratio=8.0,
                 max_running_requests=4, chunked_prefill_size=256, disable_cuda_graph=not graphs) as engine:
         first, again = two_rounds(engine, prompts, second, 16, filler=700)
         assert (engine.scheduler.runner.graphs is not None) == graphs
-    assert [o["output_ids"] for o in first] == want
-    assert [o["output_ids"] for o in again] == want_second
     check_tiers(first, again, prefix=256)
+    hf = hf_cpu.to("cuda", getattr(torch, dtype))
+    try:
+        if dtype == "float32":
+            assert [o["output_ids"] for o in first] == hf_greedy(hf, prompts, 16)
+            assert [o["output_ids"] for o in again] == hf_greedy(hf, second, 16)
+        else:
+            assert_hf_argmax(hf, prompts, [o["output_ids"] for o in first], 2e-2)
+            assert_hf_argmax(hf, second, [o["output_ids"] for o in again], 2e-2)
+    finally:
+        hf_cpu.to("cpu", torch.float32)
 
 
 # ---- random weights -------------------------------------------------------------------------
