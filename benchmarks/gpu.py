@@ -1,0 +1,317 @@
+"""GPU benchmark: the hardware floors, then our kernels and model steps, with ratios to the floors.
+
+    python benchmarks/gpu.py [--parts kernels,l1,l2,hf] [--floors floors.json] [--json out.json]
+
+Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
+device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
+8192^3. Parts: `kernels` (one layer's decode / extend attention, 32k-token load-back and backup),
+`l1` (decode steps at batch 1..256 with context 2k, an 8k prefill, through the Engine), `l2` (an
+extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `hf` (64 x 1k prompts x
+128 new tokens, HF transformers vs ours). Run the model parts in separate processes so that each
+engine's GPU memory is released. Kernel timings are medians with CUDA events; model timings are
+wall clock around `Engine.generate`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b.json"
+LAYERS, HQ, HKV, D = 32, 32, 8, 128
+KV_TOKEN_BYTES = 2 * LAYERS * HKV * D * 2  # 128 KiB
+GiB = 2**30
+
+
+def timed(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of `fn()` over `reps` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def graph_timed(fn, reps: int = 20) -> float:
+    """Median seconds of one replay of `fn` captured in a CUDA graph: GPU time, no launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # builds the kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, reps=reps)
+
+
+def row(name: str, value: str, ratio: str = "") -> None:
+    print(f"| {name} | {value} | {ratio} |", flush=True)
+
+
+# ---- floors ---------------------------------------------------------------------------------
+
+def floors() -> dict:
+    f = {}
+    a = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a))
+    f["d2d_bytes_per_s"] = 2 * a.numel() / t
+    row("D2D copy 2 GiB (read+write)", f"{f['d2d_bytes_per_s'] / 1e12:.2f} TB/s")
+    del a, b
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    f["h2d_bytes_per_s"] = GiB / timed(lambda: dev.copy_(host, non_blocking=True), reps=5)
+    f["d2h_bytes_per_s"] = GiB / timed(lambda: host.copy_(dev, non_blocking=True), reps=5)
+    row("pinned H2D 1 GiB", f"{f['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    row("pinned D2H 1 GiB", f"{f['d2h_bytes_per_s'] / 1e9:.1f} GB/s")
+    del host, dev
+    n = 8192
+    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    f["gemm_flops"] = 2 * n**3 / timed(lambda: x @ y)
+    row("bf16 GEMM 8192^3", f"{f['gemm_flops'] / 1e12:.0f} TFLOP/s")
+    return f
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+def paged_rows(batch: int, length: int, page_size: int = 64) -> tuple[torch.Tensor, int]:
+    """[batch, length] slots on shuffled pages; returns (table, pool slots)."""
+    pages = -(-length // page_size)
+    order = torch.randperm(batch * pages, device="cuda")
+    ar = torch.arange(page_size, device="cuda")
+    table = (order.view(batch, pages, 1) * page_size + ar).view(batch, -1)[:, :length].contiguous()
+    return table, batch * pages * page_size
+
+
+def kernels(f: dict) -> dict:
+    from hicache.kernels.decode import decode_attention, default_num_splits
+    from hicache.kernels.extend import extend_attention
+
+    out = {}
+    for batch in (1, 16, 64, 256):
+        table, slots = paged_rows(batch, 2048)
+        k = torch.randn(slots, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+        rows = torch.arange(batch, device="cuda")
+        lens = torch.full((batch,), 2048, device="cuda")
+        splits = default_num_splits(batch, HKV, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
+        t = graph_timed(lambda: decode_attention(q, k, v, table, rows, lens, D ** -0.5, num_splits=splits))
+        floor = batch * 2048 * HKV * D * 2 * 2 / f["d2d_bytes_per_s"]
+        out[f"decode_attn_b{batch}_s"] = t
+        row(f"decode attention, 1 layer, batch {batch} x 2k ({splits} splits, graph)", f"{t * 1e6:.1f} us",
+            f"{t / floor:.2f}x the KV-read floor {floor * 1e6:.1f} us")
+        del k, v
+    for prefix, ext in ((0, 8192), (31 * 1024, 1024)):
+        table, slots = paged_rows(1, prefix + ext)
+        k = torch.randn(slots, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        q = torch.randn(ext, HQ, D, dtype=torch.bfloat16, device="cuda")
+        zero, pre, n = (torch.tensor([x], device="cuda") for x in (0, prefix, ext))
+        t = timed(lambda: extend_attention(q, k, v, table, zero, pre, n, zero, ext, D ** -0.5))
+        flops = 4 * HQ * D * ext * (prefix + (ext + 1) / 2)
+        out[f"extend_attn_p{prefix}_e{ext}_s"] = t
+        row(f"extend attention, 1 layer, prefix {prefix} + {ext} new", f"{t * 1e3:.2f} ms",
+            f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
+        del k, v
+    out |= transfers(f)
+    return out
+
+
+def transfers(f: dict) -> dict:
+    from hicache.kernels.transfer import copy_kv, layer_pointers
+    from hicache.tiers.host.pool import HostKVPool
+
+    out = {}
+    tokens, page = 32 * 1024, 64
+    k_bufs = [torch.zeros(tokens + 4096, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    v_bufs = [torch.zeros_like(b) for b in k_bufs]
+    ptrs = layer_pointers(k_bufs, v_bufs)
+    dslots = (torch.randperm((tokens + 4096) // page, device="cuda")[: tokens // page, None] * page
+              + torch.arange(page, device="cuda")).view(-1)
+    for layout in ("layer_first", "page_first"):
+        host = HostKVPool(tokens + 8192, page, LAYERS, HKV, D, torch.bfloat16, layout, pin=True)
+        hslots = (torch.randperm((tokens + 8192) // page, device="cuda")[: tokens // page, None] * page
+                  + torch.arange(page, device="cuda")).view(-1)
+        nbytes = tokens * KV_TOKEN_BYTES
+
+        def load():
+            for layer in range(LAYERS):
+                copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layer, layer + 1), to_host=False)
+
+        t = timed(load, reps=5)
+        out[f"load_{layout}_bytes_per_s"] = nbytes / t
+        row(f"load-back 32k tokens ({layout}, 32 per-layer launches)", f"{nbytes / t / 1e9:.1f} GB/s",
+            f"{nbytes / t / f['h2d_bytes_per_s']:.2f} of pinned H2D")
+        t = timed(lambda: copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(LAYERS), to_host=True), reps=5)
+        out[f"backup_{layout}_bytes_per_s"] = nbytes / t
+        row(f"backup 32k tokens ({layout}, one launch)", f"{nbytes / t / 1e9:.1f} GB/s",
+            f"{nbytes / t / f['d2h_bytes_per_s']:.2f} of pinned D2H")
+        del host
+    return out
+
+
+# ---- model steps through the Engine ---------------------------------------------------------
+
+LINEAR_PARAMS = LAYERS * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 14336 * 4096)  # per token
+WEIGHT_BYTES = 2 * (LINEAR_PARAMS + 128256 * 4096)  # decode reads every matrix once, lm_head included
+
+
+def engine(**options):
+    from hicache import Engine
+    from hicache.config import HiCacheConfig
+
+    if "hicache_storage_backend" in HiCacheConfig.__dataclass_fields__:
+        options.setdefault("hicache_storage_backend", "none")  # L1/L2 figures only
+    return Engine(str(CONFIG), load_format="dummy", dtype="bfloat16", page_size=64, **options)
+
+
+def prompts(n: int, length: int, rng: torch.Generator) -> list[list[int]]:
+    return torch.randint(1000, 120000, (n, length), generator=rng).tolist()
+
+
+def wall(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def greedy(new: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+
+
+def attention_flops(prefix: int, new: int) -> float:
+    return 4 * HQ * D * LAYERS * new * (prefix + (new + 1) / 2)
+
+
+def model_l1(f: dict) -> dict:
+    """Decode steps at batch 1..256 (context 2k) and an 8k prefill, on L1 alone."""
+    out, rng, steps = {}, torch.Generator().manual_seed(0), 32
+    with engine(max_total_tokens=600_000, disable_hierarchical_cache=True, max_running_requests=256,
+                chunked_prefill_size=8192, max_prefill_tokens=65536, context_length=16384) as eng:
+        for batch in (1, 16, 64, 256):
+            ps = prompts(batch, 2048, rng)
+            eng.generate(input_ids=ps, sampling_params=greedy(1))  # prefill, cached afterwards
+            t1 = min(wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(1))) for _ in range(2))
+            t2 = min(wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(1 + steps))) for _ in range(2))
+            step = (t2 - t1) / steps
+            floor = (WEIGHT_BYTES + batch * 2048 * KV_TOKEN_BYTES) / f["d2d_bytes_per_s"]
+            out[f"decode_step_b{batch}_s"] = step
+            row(f"decode step, batch {batch}, context 2k (CUDA graphs)", f"{step * 1e3:.2f} ms",
+                f"{step / floor:.2f}x the floor {floor * 1e3:.2f} ms")
+        times = []
+        for _ in range(3):
+            p = prompts(1, 8192, rng)
+            times.append(wall(lambda: eng.generate(input_ids=p, sampling_params=greedy(1))))
+        t = statistics.median(times)
+        flops = 2 * LINEAR_PARAMS * 8192 + attention_flops(0, 8192)
+        out["prefill_8k_s"] = t
+        row("prefill 8k tokens (one request, one chunk)", f"{t * 1e3:.0f} ms",
+            f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
+    return out
+
+
+def model_l2(f: dict) -> dict:
+    """Extend of 1k new tokens after a 31k prefix resident in L1 vs loaded back from L2."""
+    out, rng = {}, torch.Generator().manual_seed(1)
+    prefix_len, new = 31 * 1024, 1024
+    with engine(max_total_tokens=40_000, hicache_size=12, chunked_prefill_size=8192, max_prefill_tokens=8192,
+                context_length=34_000, max_running_requests=8) as eng:
+        prefix = prompts(1, prefix_len, rng)[0]
+        eng.generate(input_ids=prefix, sampling_params=greedy(1))
+        resident, loaded, host = [], [], []
+        for _ in range(3):
+            tail = prompts(1, new, rng)[0]
+            resident.append(wall(lambda: eng.generate(input_ids=prefix + tail, sampling_params=greedy(1))))
+        for _ in range(3):
+            eng.generate(input_ids=prompts(1, prefix_len, rng)[0], sampling_params=greedy(1))  # evicts the prefix
+            tail = prompts(1, new, rng)[0]
+            res = []
+            loaded.append(wall(lambda: res.append(eng.generate(input_ids=prefix + tail, sampling_params=greedy(1)))))
+            host.append(res[0]["meta_info"]["cached_tokens_details"]["host"])
+        t_res, t_l2 = statistics.median(resident), statistics.median(loaded)
+        out |= {"extend_resident_s": t_res, "extend_from_l2_s": t_l2, "host_tokens": host}
+        row("extend 1k after a 31k prefix in L1", f"{t_res * 1e3:.0f} ms",
+            f"{(2 * LINEAR_PARAMS * new + attention_flops(prefix_len, new)) / t_res / 1e12:.0f} TFLOP/s")
+        row(f"same, prefix loaded back from L2 (host tokens {host})", f"{t_l2 * 1e3:.0f} ms",
+            f"{t_l2 / t_res:.2f}x resident; the load alone at pinned H2D: "
+            f"{prefix_len * KV_TOKEN_BYTES / f['h2d_bytes_per_s'] * 1e3:.0f} ms")
+    return out
+
+
+def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
+    """Output tokens per second, HF transformers (bf16, sdpa, its KV cache) vs ours, same shapes."""
+    import gc
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rng = torch.Generator().manual_seed(2)
+    ps = prompts(n, length, rng)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).eval()
+    torch.set_default_dtype(torch.float32)
+    ids = torch.tensor(ps, device="cuda")
+    run = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)
+    run_small = lambda: hf.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    run_small()
+    t_hf = wall(run)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    with engine(max_total_tokens=200_000, hicache_size=20, max_running_requests=256) as eng:
+        eng.generate(input_ids=prompts(4, 256, rng), sampling_params=greedy(4))  # warm-up (kernel builds)
+        t_ours = wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(new)))
+    out = {"hf_tok_per_s": n * new / t_hf, "ours_tok_per_s": n * new / t_ours}
+    row(f"HF transformers, {n} x {length} prompts x {new} new", f"{out['hf_tok_per_s']:.0f} output tok/s")
+    row("hicache, same", f"{out['ours_tok_per_s']:.0f} output tok/s", f"{t_hf / t_ours:.1f}x HF")
+    return out
+
+
+PARTS = {"kernels": kernels, "l1": model_l1, "l2": model_l2, "hf": vs_hf}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="kernels,l1,l2,hf", help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--floors", default=None, help="JSON file: reuse its floors if it exists, else write them")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    print("| measure | value | vs floor |\n|---|---|---|")
+    t0 = time.perf_counter()
+    saved = Path(args.floors) if args.floors else None
+    if saved is not None and saved.exists():
+        f = json.loads(saved.read_text())
+        row("floors", f"from {saved}")
+    else:
+        f = floors()
+        if saved is not None:
+            saved.write_text(json.dumps(f))
+    results = {"floors": f}
+    for part in args.parts.split(","):
+        results[part] = PARTS[part](f)
+    print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
