@@ -6,28 +6,16 @@ token i of a sequence is the tuple of the sequence up to i, so a wrong page is v
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hicache.controller import CacheController
 from hicache.tree import RadixTree
+import cache_fakes as fakes
 
 
-def load_fakes():
-    name = "tests_hicache_fakes"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fakes.py"))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-fakes = load_fakes()
 
 
 class Harness:

@@ -1,27 +1,15 @@
 """Unit tests of the radix tree (hicache/tree.py) and eviction strategies, on a fake allocator."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hicache.eviction import get_strategy
 from hicache.tree import RadixTree
+from cache_fakes import FakeAllocator
 
 
-def load_fakes():
-    name = "tests_hicache_fakes"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fakes.py"))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-FakeAllocator = load_fakes().FakeAllocator
 
 
 def make(page_size=1, num_pages=64, policy="lru", disabled=False):

@@ -7,10 +7,7 @@ the tree's content equals the reference exactly.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,18 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache.tree import RadixTree, TreeNode
+from cache_fakes import FakeAllocator
 
 
-def load_fakes():
-    name = "tests_hicache_fakes"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fakes.py"))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-FakeAllocator = load_fakes().FakeAllocator
 
 # A few shared stems plus a random tail: long common prefixes, divergence at any page.
 STEMS = ([0] * 12, [0, 1] * 6, [1, 2, 0, 2] * 3, [0] * 6 + [1, 1, 2, 2, 0, 0])

@@ -1,7 +1,7 @@
 """Fakes of the tier protocols for testing the cache brain on CPU.
 
-Test files load this by path (see `load_fakes` in them) rather than `import fakes`, so that a
-`fakes.py` in another test folder cannot shadow it.
+Test files import it as `cache_fakes` (pytest puts this folder on sys.path); the name is unique
+among the test folders, so that no other helper module can shadow it.
 """
 from __future__ import annotations
 
