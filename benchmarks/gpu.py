@@ -200,6 +200,14 @@ def attention_flops(prefix: int, new: int) -> float:
     return 4 * HQ * D * LAYERS * new * (prefix + (new + 1) / 2)
 
 
+def graph_replay(eng, batch: int) -> float:
+    """Seconds of one replay of the decode graph that ran the last step of `batch` requests (its
+    inputs still hold that step: the replay rewrites the same K/V). Reaches into the runner."""
+    graphs = eng.scheduler.runner.graphs
+    bucket = graphs.graphs[min(b for b in graphs.sizes if b >= batch)]
+    return timed(bucket.replay, reps=20)
+
+
 def model_l1(f: dict) -> dict:
     """Decode steps at batch 1..256 (context 2k) and an 8k prefill, on L1 alone."""
     out, rng, steps = {}, torch.Generator().manual_seed(0), 32
@@ -215,6 +223,9 @@ def model_l1(f: dict) -> dict:
             out[f"decode_step_b{batch}_s"] = step
             row(f"decode step, batch {batch}, context 2k (CUDA graphs)", f"{step * 1e3:.2f} ms",
                 f"{step / floor:.2f}x the floor {floor * 1e3:.2f} ms")
+            replay = graph_replay(eng, batch)
+            out[f"decode_replay_b{batch}_s"] = replay
+            row(f"  its graph replay alone (GPU time of the step)", f"{replay * 1e3:.2f} ms", f"{replay / floor:.2f}x")
         times = []
         for _ in range(3):
             p = prompts(1, 8192, rng)
