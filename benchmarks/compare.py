@@ -104,8 +104,14 @@ class Server:
         except httpx.HTTPError:
             return False
 
-    def tiers(self) -> dict:
-        return httpx.get(self.url + "/hicache/stats", timeout=60).json()["tiers"]
+    def tiers(self, attempts: int = 30) -> dict:
+        """The tiers of /hicache/stats (retried: a busy scheduler may not answer in time)."""
+        for _ in range(attempts - 1):
+            r = httpx.get(self.url + "/hicache/stats", timeout=60)
+            if r.status_code == 200:
+                return r.json()["tiers"]
+            time.sleep(2)
+        return httpx.get(self.url + "/hicache/stats", timeout=60).raise_for_status().json()["tiers"]
 
     def drain(self, timeout: float = 300) -> dict:
         """Waits for the tiers' background copies (L1 -> L2, L2 -> L3 backups) to finish; the tiers' stats."""
@@ -163,7 +169,16 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
         workload = module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
         total = sum(workload.round_sizes.values())
         task = progress.add_task(cfg.name, total=total)
-        result = asyncio.run(multiturn.run(wl, workload, lambda _: progress.advance(task)))
+
+        ends = {sum(list(workload.round_sizes.values())[:i + 1]) for i in range(len(workload.round_sizes))}
+
+        def done(_: multiturn.Record) -> None:
+            progress.advance(task)
+            n = int(progress.tasks[task].completed)
+            if not progress.console.is_terminal and n in ends:  # a log file: a line per round's worth, not a bar
+                progress.console.print(f"{cfg.name}: {n}/{total} requests, {progress.tasks[task].elapsed:.0f} s")
+
+        result = asyncio.run(multiturn.run(wl, workload, done))
         result["server"] = {"config": cfg.name, "flags": [*args.server_flags, *cfg.flags], "capacity_tokens": cap,
                             "tiers_after": server.drain()}  # so that a warm restart finds every backup
     except Exception:
@@ -309,7 +324,7 @@ def plot(results: list[dict], out: Path, name: str) -> None:
         ax.bar(tags, [r[key] for r in results], color="tab:blue")
         ax.set(title=label)
         ax.tick_params(axis="x", rotation=30)
-    fig.suptitle("Throughput by configuration")
+    fig.suptitle("Throughput by configuration", y=1.04)
     fig.savefig(out / f"{name}_throughput.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
@@ -323,7 +338,7 @@ def plot(results: list[dict], out: Path, name: str) -> None:
         ax.set(title=r["tag"], xlabel="round", ylim=(0, 1))
     axes[0][0].set(ylabel="cached / prompt tokens")
     axes[0][-1].legend(loc="upper left", fontsize=8)
-    fig.suptitle("Cache hit rate per tier by round")
+    fig.suptitle("Cache hit rate per tier by round", y=1.03)
     fig.savefig(out / f"{name}_hit_rate_by_round.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
