@@ -8,7 +8,9 @@ policy (`best_effort`: use what has landed; `wait_complete`: wait for the fetch 
 `timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages that landed
 as host-only tree nodes (`RadixTree.insert_host`); the request then loads them back like any L2
 hit. Pages the fetch still writes stay reserved until its result comes back, then are freed. An
-abort revokes the prefetch and frees its pages the same way.
+abort revokes the prefetch and frees its pages the same way. When L2 has no room for a fetch yet,
+it is deferred and retried (oldest first) as room appears; a deferred prefetch keeps its request
+waiting at most the timeout allowance, whatever the policy, then gives up.
 
 Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
 stay pinned until the write is done; the worker skips keys L3 already holds. Past
@@ -45,6 +47,7 @@ class StorageOptions:
     prefetch_timeout_max: float = 30.0
     backup_queue_pages: int = 4096
     batch_pages: int = 128  # pages per backend call (the worker's)
+    prefetch_grace: float = 0.1  # seconds a prefill batch may wait for prefetches in flight (not best_effort)
 
     def __post_init__(self) -> None:
         if self.policy not in PREFETCH_POLICIES:
@@ -64,10 +67,11 @@ class StorageOptions:
 
 
 class _Prefetch:
-    """One request's prefetch: querying, fetching, or done (nothing to fetch)."""
+    """One request's prefetch: querying, deferred (L3 has the pages, L2 no room yet), fetching, or
+    done (nothing to fetch)."""
 
     __slots__ = ("rid", "namespace", "tokens", "start", "keys", "ticket", "phase", "host_slots", "started",
-                 "landed", "finished")
+                 "landed", "finished", "hits")
 
     def __init__(self, rid: str, namespace: str, tokens: list[int], start: int, keys: list[str], ticket: int):
         self.rid, self.namespace, self.tokens, self.start, self.keys = rid, namespace, tokens, start, keys
@@ -75,6 +79,7 @@ class _Prefetch:
         self.host_slots: torch.Tensor | None = None  # [len(keys) * page_size] int64: reserved L2 pages (fetch)
         self.landed = 0  # pages, once the fetch has finished
         self.finished = False
+        self.hits = 0  # leading pages of `keys` that L3 holds (the query's answer)
 
 
 class _Backup(NamedTuple):
@@ -142,6 +147,9 @@ class StorageController:
             self._by_ticket.pop(op.ticket, None)  # its answer, when it comes, is ignored
             self.counters["prefetch_revoked"] += 1
             return StorageRange()
+        if op.phase == "deferred":
+            self.counters["prefetch_host_full"] += 1
+            return StorageRange()
         if op.phase == "done":
             return StorageRange()
         if not op.finished:
@@ -152,7 +160,7 @@ class StorageController:
         policy = self.options.policy
         if policy == "best_effort":
             return True
-        if policy == "wait_complete":
+        if policy == "wait_complete" and op.phase != "deferred":
             return False
         return time.monotonic() - op.started > self.options.timeout(len(op.keys) * self.page_size)
 
@@ -190,21 +198,31 @@ class StorageController:
             self.tree.host_allocator.free(op.host_slots)
 
     def _on_query(self, op: _Prefetch, res: StorageResult) -> None:
-        ps, opts = self.page_size, self.options
         op.phase = "done"
-        if not res.ok or res.pages * ps < max(opts.prefetch_threshold, ps):
+        if not res.ok or res.pages * self.page_size < self._min_tokens():
             self.counters["prefetch_below_threshold" if res.ok else "prefetch_failed"] += 1
             return
+        op.phase, op.hits = "deferred", res.pages
+        if not self._reserve(op):
+            self.counters["prefetch_deferred"] += 1
+
+    def _min_tokens(self) -> int:
+        return max(self.options.prefetch_threshold, self.page_size)
+
+    def _reserve(self, op: _Prefetch) -> bool:
+        """Reserves L2 pages for the L3 hits of a deferred `op` beyond what the cache holds now and
+        starts its fetch. False (it stays deferred) while L2 has no room for them."""
+        ps = self.page_size
         m = self.tree.match(op.tokens, op.namespace)  # the cache may have moved since arrival
         now = m.device_slots.numel() + m.host_hit_tokens
         skip = (now - op.start) // ps
-        n = res.pages - skip
-        if now < op.start or n * ps < max(opts.prefetch_threshold, ps):
+        n = op.hits - skip
+        if now < op.start or n * ps < self._min_tokens():
+            op.phase = "done"
             self.counters["prefetch_below_threshold"] += 1
-            return
+            return True
         if self._held_host_tokens() + n * ps > HOST_SHARE * self.tree.host_allocator.capacity_tokens():
-            self.counters["prefetch_host_full"] += 1
-            return
+            return False
         chain = self.tree.load_chain(m.last_host_node)
         for node in chain:  # making room must not evict the prefix the fetched pages hang below
             node.host_pin += 1
@@ -212,11 +230,11 @@ class StorageController:
         for node in chain:
             node.host_pin -= 1
         if slots is None:
-            self.counters["prefetch_host_full"] += 1
-            return
+            return False
         op.start, op.keys, op.host_slots, op.phase = now, op.keys[skip:skip + n], slots, "fetch"
         op.ticket = self.engine.fetch(op.keys, slots)
         self._by_ticket[op.ticket] = op
+        return True
 
     # ---- backup ---------------------------------------------------------------------------
 
@@ -261,6 +279,9 @@ class StorageController:
                 else:
                     op.finished, op.landed = True, res.pages
                     self._count_fetch(res)
+        for op in [op for op in self._by_rid.values() if op.phase == "deferred"]:
+            if not self._reserve(op):  # oldest first: a later one does not overtake it
+                break
 
     def _count_fetch(self, res: StorageResult) -> None:
         c = self.counters
@@ -290,6 +311,20 @@ class StorageController:
         """Blocks until an L3 operation finishes (or `timeout`): for a scheduler with nothing to
         run but requests waiting on their prefetch."""
         self.engine.wait(timeout)
+
+    def grace(self) -> None:
+        """Before a prefill batch is formed: waits up to `prefetch_grace` seconds for the queries
+        and fetches of waiting requests, so that a request whose pages are about to land is not
+        left out of a batch that may take long (policies that wait only)."""
+        if self.options.policy == "best_effort":
+            return
+        end = time.monotonic() + self.options.prefetch_grace
+        while any(op.phase == "query" or (op.phase == "fetch" and not op.finished) for op in self._by_rid.values()):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self.engine.wait(left)
+            self.poll()
 
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Cancels every L3 operation, waits for them and folds them in (for flush)."""

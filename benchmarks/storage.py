@@ -1,0 +1,220 @@
+"""L3 storage: backend bandwidth, and a multi-turn workload that only L3 can hold.
+
+    .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--skip-multi-turn]
+        [--conversations 16] [--turns 4] [--policy timeout]
+
+1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, CRC-32,
+   backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
+   fp32: 30 layers x 3 KV heads x 64, page 64 tokens = 2.9 MB) from and into a host pool, for
+   LMDB (a fresh environment in a temp folder, so reads come from the page cache) and Redis (a
+   redis-server started here on a free port). GB/s = page bytes moved / wall time of the batch.
+2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
+   tokens of source code) and a greedy answer; each turn of every conversation is submitted at
+   once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
+   holds L1's pages and as much again, so older conversations fall out of both; LMDB holds
+   everything. The same
+   workload runs without L3 (`hicache_storage_backend none`) and with it, in one process, and prints
+   throughput, TTFT p50 and the ratios. Both parts append a JSON line to results/storage.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAGE = 64
+BATCH = 128
+BENCH_NS = "be0c4000000000ff"  # the namespace id (hex) of the bandwidth runs
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+# ---- 1. bandwidth ------------------------------------------------------------------------------
+
+
+def bandwidth(backend_name: str, backend_options: dict, batches: int) -> dict:
+    from hicache.pagekey import namespace_seed, page_keys
+    from hicache.tiers.host.pool import HostKVPool
+    from hicache.tiers.remote import make_backend
+    from hicache.tiers.remote.worker import StorageWorker
+
+    tokens = BATCH * PAGE
+    src = HostKVPool(tokens, PAGE, LAYERS, HEADS, DIM, torch.float32, "page_first", pin=False)
+    dst = HostKVPool(tokens, PAGE, LAYERS, HEADS, DIM, torch.float32, "page_first", pin=False)
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    dst.buffer.zero_()
+    page_bytes = src.bytes_per_token() * PAGE
+    worker = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), src, BATCH)
+    reader = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), dst, BATCH)
+    slots = src.allocator.alloc(tokens)
+    into = dst.allocator.alloc(tokens)
+    write_s, read_s = [], []
+    for b in range(batches):
+        keys = page_keys(namespace_seed("bench", b, time.time()), list(range(tokens)), PAGE)
+        write_s.append(_timed(worker, worker.backup, keys, slots))
+        read_s.append(_timed(reader, reader.fetch, keys, into))
+        assert torch.equal(dst.buffer, src.buffer), "read back different bytes"
+        dst.buffer.zero_()
+    worker.close()
+    reader.close()
+    nbytes = BATCH * page_bytes
+    return {"backend": backend_name, "page_bytes": page_bytes, "batch_pages": BATCH, "batches": batches,
+            "write_gbps": nbytes / statistics.median(write_s) / 1e9,
+            "read_gbps": nbytes / statistics.median(read_s) / 1e9}
+
+
+def _timed(worker, op, keys, slots) -> float:
+    t0 = time.perf_counter()
+    op(keys, slots)
+    while True:
+        worker.wait(1.0)
+        done = worker.poll()
+        if done:
+            assert done[0].ok and done[0].pages == len(keys), done
+            return time.perf_counter() - t0
+
+
+def start_redis() -> tuple[subprocess.Popen, str]:
+    import socket
+
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+# ---- 2. multi-turn -------------------------------------------------------------------------------
+
+
+def workload(tokenizer, args) -> tuple[list[int], list[list[list[int]]]]:
+    text = "\n\n".join(inspect.getsource(m) for m in (json.decoder, threading, inspect, argparse, asyncio.tasks))
+    ids = tokenizer(text)["input_ids"]
+    need = args.system + args.conversations * args.turns * args.turn
+    assert len(ids) >= need, f"corpus of {len(ids)} tokens < {need}"
+    at = iter(range(args.system, need, args.turn))
+    turns = [[ids[p:p + args.turn] for p in (next(at) for _ in range(args.turns))] for _ in range(args.conversations)]
+    return ids[:args.system], turns
+
+
+async def _one(engine, ids: list[int], params: dict) -> tuple[float, dict]:
+    t0, ttft, last = time.perf_counter(), None, None
+    async for chunk in engine.async_generate(input_ids=ids, sampling_params=params):
+        if ttft is None and chunk["output_ids"]:
+            ttft = time.perf_counter() - t0
+        last = chunk
+    return ttft, last
+
+
+def converse(engine, system, turns, args) -> dict:
+    params = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
+    answers = [[] for _ in turns]
+    ttfts, tokens, cached = [], 0, {"device": 0, "host": 0, "storage": 0}
+    prompt_tokens = 0
+    t0 = time.perf_counter()
+    for t in range(args.turns):
+        prompts = []
+        for c, conv in enumerate(turns):
+            ids = list(system)
+            for j in range(t):
+                ids += conv[j] + answers[c][j]
+            prompts.append(ids + conv[t])
+
+        async def turn():
+            return await asyncio.gather(*(_one(engine, p, params) for p in prompts))
+
+        for c, (ttft, last) in enumerate(asyncio.run(turn())):
+            answers[c].append(last["output_ids"])
+            ttfts.append(ttft)
+            meta = last["meta_info"]
+            tokens += meta["prompt_tokens"] + meta["completion_tokens"]
+            prompt_tokens += meta["prompt_tokens"]
+            for tier, n in meta["cached_tokens_details"].items():
+                cached[tier] += n
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_p50_s": statistics.median(ttfts),
+            "prompt_tokens": prompt_tokens, "cached": cached, "answers": answers}
+
+
+def multi_turn(args) -> dict:
+    from hicache import Engine
+
+    out, answers = {}, {}
+    for name in ("none", "lmdb"):
+        folder = tempfile.mkdtemp(prefix="hicache-bench-l3-")
+        extra = {"path": folder} if name == "lmdb" else None
+        engine = Engine(max_total_tokens=args.l1_tokens, page_size=PAGE, hicache_storage_backend=name,
+                        hicache_storage_backend_extra_config=extra, hicache_storage_prefetch_policy=args.policy)
+        system, turns = workload(engine.tokenizer, args)
+        res = converse(engine, system, turns, args)
+        res["storage"] = engine.get_stats()["tiers"]["storage"]
+        engine.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+        answers[name] = res.pop("answers")
+        out[name] = res
+        print(f"  L3 {name:5s}: {res['seconds']:.1f} s, {res['tokens_per_s']:.1f} tok/s, "
+              f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, cached {res['cached']} of {res['prompt_tokens']}")
+    assert answers["none"] == answers["lmdb"], "L3 changed a greedy answer"
+    out["throughput_ratio"] = out["lmdb"]["tokens_per_s"] / out["none"]["tokens_per_s"]
+    out["ttft_p50_ratio"] = out["none"]["ttft_p50_s"] / out["lmdb"]["ttft_p50_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--skip-multi-turn", action="store_true")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system", type=int, default=64)
+    ap.add_argument("--turn", type=int, default=128)
+    ap.add_argument("--new", type=int, default=8)
+    ap.add_argument("--l1-tokens", type=int, default=1536)
+    ap.add_argument("--policy", default="timeout", help="hicache_storage_prefetch_policy of the L3 run")
+    args = ap.parse_args()
+    record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "bandwidth": []}
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-") as folder:
+        record["bandwidth"].append(bandwidth("lmdb", {"path": folder}, args.batches))
+    if not args.skip_redis:
+        proc, url = start_redis()
+        try:
+            record["bandwidth"].append(bandwidth("redis", {"url": url, "socket_timeout": 60.0}, args.batches))
+        finally:
+            proc.kill()
+            proc.wait()
+    for b in record["bandwidth"]:
+        print(f"{b['backend']:6s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
+              f"({b['batch_pages']} pages of {b['page_bytes'] / 2**20:.2f} MiB a batch)")
+    if not args.skip_multi_turn:
+        record["multi_turn"] = multi_turn(args)
+        mt = record["multi_turn"]
+        print(f"multi-turn with L3 vs without: throughput {mt['throughput_ratio']:.2f}x, "
+              f"TTFT p50 {mt['ttft_p50_ratio']:.2f}x better")
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "storage.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
