@@ -24,7 +24,7 @@ class HiCacheConfig:
     hicache_mem_layout: str = field(default="layer_first", metadata={"help": "Host pool layout: layer_first (per-layer contiguous, like L1) or page_first (all layers of a page contiguous)."})
     hicache_io_backend: str = field(default="kernel", metadata={"help": "Host <-> device copies: kernel (gather/scatter kernels on CUDA) or direct (torch index copies); plain torch copies on CPU either way."})
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
-    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, batch_pages, backup_queue_pages."})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
 
     def __post_init__(self) -> None:
