@@ -85,6 +85,9 @@ class StorageWorker:
     def poll(self) -> list[StorageResult]:
         with self._cv:
             done, self._done = self._done, []
+            for res in done:  # progress() keeps answering until the result is handed over
+                self._progress.pop(res.ticket, None)
+                self._cancelled.discard(res.ticket)
         return done
 
     def wait(self, timeout: float) -> None:
@@ -149,8 +152,6 @@ class StorageWorker:
             self._count(errors=1)
         res = res._replace(seconds=time.perf_counter() - start)
         with self._cv:
-            self._progress.pop(op.ticket, None)
-            self._cancelled.discard(op.ticket)
             self._pending -= 1
             self._done.append(res)
             self._cv.notify_all()
@@ -178,7 +179,8 @@ class StorageWorker:
             if good < len(ok):
                 break
         self._count(fetched_pages=landed, fetched_bytes=landed * self._page_bytes)
-        return StorageResult(op.ticket, "fetch", landed == n, landed, nbytes=landed * self._page_bytes)
+        cut = "cancelled" if landed < n and op.ticket in self._cancelled else None
+        return StorageResult(op.ticket, "fetch", landed == n, landed, nbytes=landed * self._page_bytes, error=cut)
 
     def _backup(self, op: _Op) -> StorageResult:
         ps, n = self.page_size, len(op.keys)
