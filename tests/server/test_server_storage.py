@@ -87,8 +87,12 @@ def test_warm_restart_is_served_from_lmdb(tmp_path):
     try:
         warm = converse(second)
         stats = storage_stats(second)
+        metrics = httpx.get(second.url + "/metrics", timeout=30).text
     finally:
         second.stop()
+    assert f'hicache_cached_tokens_total{{tier="storage"}} {float(stats["hit_tokens"])}' in metrics
+    assert 'hicache_tier_prefetched_tokens_total{tier="storage"}' in metrics
+    assert 'hicache_tier_degraded{tier="storage"} 0.0' in metrics
     assert [r["output_ids"] for r in warm] == [r["output_ids"] for r in cold]
     details = [r["meta_info"]["cached_tokens_details"] for r in warm]
     assert details[0]["storage"] >= 64, details
