@@ -24,7 +24,8 @@ def test_cached_path_is_valid_and_reused(default_model_path, monkeypatch):
         raise AssertionError("pip must not run when the model is cached")
 
     monkeypatch.setattr(subprocess, "run", no_pip)
-    assert dm.default_model_path() == default_model_path
+    # each test's $HICACHE_HOME links models/ to the real home's (tests/conftest.py)
+    assert dm.default_model_path().resolve() == default_model_path.resolve()
     assert default_model_path.stat().st_mtime_ns == mtime
 
 
