@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -112,6 +112,31 @@ class CacheController:
         """True once every load in `tickets` has landed (a failed one counts as not done until
         `poll()` has reported it)."""
         return not any(t in self._ops or t in self._failed for t in tickets)
+
+    def layer_waiter(self, tickets: frozenset[int]) -> Callable[[int | None], None]:
+        """For a forward pass over pages that the loads `tickets` may still be writing: a function
+        that layer i's attention calls with i (None: before a pass that reads every layer at once)
+        to make the compute stream wait for layer i of those loads, on the device (no host sync).
+        It does nothing for loads already finished (or failed). An engine without per-layer waits
+        blocks for the whole copy."""
+        live = [t for t in tickets if t in self._ops]
+        per_layer = getattr(self.transfer, "wait_layer", None)
+
+        def wait(layer: int | None) -> None:
+            for t in live:
+                if per_layer is not None:
+                    per_layer(t, layer)
+                else:
+                    self.transfer.synchronize(t)
+        return wait
+
+    def settle_loads(self, tickets: frozenset[int]) -> None:
+        """Blocks until the loads in `tickets` have finished or failed; the next `poll()` reports
+        them. (After a forward pass that waited for them and a sampler that synced, on CUDA this
+        costs nothing.)"""
+        for t in tickets:
+            if t in self._ops:
+                self.transfer.synchronize(t)
 
     # ---- load-back ------------------------------------------------------------------------
 

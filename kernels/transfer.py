@@ -31,20 +31,21 @@ def _copy(Host, DevPtrs, HostSlots, DevSlots, n, first_layer, num_layers_total,
     kv = (kl % 2).to(tl.int64)
     layer = (first_layer + kl // 2).to(tl.int64)
     dev = tl.load(DevPtrs + kv * num_layers_total + layer).to(tl.pointer_type(Host.dtype.element_ty))
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n
-    hs = tl.load(HostSlots + offs_t, mask=t_mask, other=0).to(tl.int64)
-    ds = tl.load(DevSlots + offs_t, mask=t_mask, other=0).to(tl.int64)
-    h_off = (hs // HOST_PAGE) * h_stride_page + kv * h_stride_kv + layer * h_stride_layer + (hs % HOST_PAGE) * ROW
-    d_off = ds * ROW
     cols = tl.arange(0, ROW_P2)
-    mask = t_mask[:, None] & (cols < ROW)[None, :]
-    if TO_HOST:
-        x = tl.load(dev + d_off[:, None] + cols[None, :], mask=mask)
-        tl.store(Host + h_off[:, None] + cols[None, :], x, mask=mask)
-    else:
-        x = tl.load(Host + h_off[:, None] + cols[None, :], mask=mask)
-        tl.store(dev + d_off[:, None] + cols[None, :], x, mask=mask)
+    for blk in range(tl.program_id(0), tl.cdiv(n, BLOCK_T), tl.num_programs(0)):  # grid-stride over tokens
+        offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < n
+        hs = tl.load(HostSlots + offs_t, mask=t_mask, other=0).to(tl.int64)
+        ds = tl.load(DevSlots + offs_t, mask=t_mask, other=0).to(tl.int64)
+        h_off = (hs // HOST_PAGE) * h_stride_page + kv * h_stride_kv + layer * h_stride_layer + (hs % HOST_PAGE) * ROW
+        d_off = ds * ROW
+        mask = t_mask[:, None] & (cols < ROW)[None, :]
+        if TO_HOST:
+            x = tl.load(dev + d_off[:, None] + cols[None, :], mask=mask)
+            tl.store(Host + h_off[:, None] + cols[None, :], x, mask=mask)
+        else:
+            x = tl.load(Host + h_off[:, None] + cols[None, :], mask=mask)
+            tl.store(dev + d_off[:, None] + cols[None, :], x, mask=mask)
 
 
 class DeviceLayers(NamedTuple):
@@ -76,8 +77,11 @@ def _host_strides(host: torch.Tensor, layout: str, num_layers: int, row: int) ->
 
 
 def copy_kv(host: torch.Tensor, layout: str, device: DeviceLayers, host_slots: torch.Tensor,
-            device_slots: torch.Tensor, layers: range, to_host: bool) -> None:
+            device_slots: torch.Tensor, layers: range, to_host: bool, max_blocks: int = 0) -> None:
     """Copy K and V of `layers` for token slots host_slots[i] <-> device_slots[i], in one launch.
+
+    max_blocks > 0 caps the programs per layer and K/V (each then loops over token blocks): a
+    load-back running beside compute then holds a few SMs instead of all of them.
 
     host: the pinned host pool buffer (`layout`), dtype of the device layers; device: from
     `layer_pointers`; host_slots, device_slots: [n] int64 on the device. Queued on the current
@@ -99,7 +103,8 @@ def copy_kv(host: torch.Tensor, layout: str, device: DeviceLayers, host_slots: t
     n = device_slots.numel()
     if n == 0:
         return
-    _copy[(triton.cdiv(n, BLOCK_T), 2 * len(layers))](
+    blocks = triton.cdiv(n, BLOCK_T)
+    _copy[(min(blocks, max_blocks) if max_blocks > 0 else blocks, 2 * len(layers))](
         host, dev_ptrs, host_slots, device_slots, n, layers.start, num_layers, s_page, s_kv, s_layer,
         HOST_PAGE=host_page, ROW=row, ROW_P2=triton.next_power_of_2(row), BLOCK_T=BLOCK_T, TO_HOST=to_host,
         num_warps=4)

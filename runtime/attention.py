@@ -28,6 +28,7 @@ class TorchAttention:
         """q [T, Hq, D], k/v [T, Hkv, D] for the batch's new tokens; returns [T, Hq, D]."""
         k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        batch.wait_layer(layer_id)  # this layer's load-back from L2, if one is in flight
         if batch.mode == "decode":
             return decode_attention(q, k_buf, v_buf, batch.slot_table, batch.seq_lens, self.scale)
         return extend_attention(q, k_buf, v_buf, batch.token_slots, batch.extend_lens, self.scale)
@@ -50,6 +51,7 @@ class TritonAttention:
                 batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
         self._store.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        batch.wait_layer(layer_id)  # this layer's load-back from L2, if one is in flight (no host sync)
         if batch.mode == "decode":
             return self._decode.decode_attention(q, k_buf, v_buf, batch.req_to_token, batch.req_rows,
                                                  batch.seq_lens, self.scale, self.num_splits(batch, k_buf))

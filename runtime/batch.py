@@ -1,8 +1,8 @@
 """What one scheduling step runs: the scheduler's plan and the runner's tensors for it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -18,6 +18,8 @@ class BatchPlan:
     For request i: compute tokens [starts[i], starts[i] + extend_lens[i]) of `req.all_ids`; the KV
     slots of tokens [0, starts[i] + extend_lens[i]) are already in the request-to-token table.
     sample[i] is False for a prefill chunk that does not reach the end of `all_ids`.
+    `kv_wait` is set when some request's prefix is still being loaded back from L2: the pass calls
+    it with each layer before that layer's attention (`CacheController.layer_waiter`).
     """
 
     mode: str  # "extend" | "decode"
@@ -25,6 +27,8 @@ class BatchPlan:
     starts: list[int]
     extend_lens: list[int]
     sample: list[bool]
+    kv_wait: Callable[[int | None], None] | None = None
+    rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
 
 
 @dataclass
@@ -48,6 +52,11 @@ class ForwardBatch:
     max_extend: int = 0
     max_seq_len: int = 0
     num_splits: int | None = None  # decode: split-K ranges, fixed inside a CUDA graph
+    wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.kv_wait: called with the layer before its attention
+
+    def wait_layer(self, layer_id: int) -> None:
+        if self.wait_kv is not None:
+            self.wait_kv(layer_id)
 
 
 class StepOutput(NamedTuple):

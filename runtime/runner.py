@@ -38,12 +38,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: BatchPlan) -> StepOutput:
         if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
+            if plan.kv_wait is not None:  # a graph reads every layer: wait for whole load-backs
+                plan.kv_wait(None)
             logits = self.graphs.run([r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)],
                                      [r.row for r in plan.reqs], [s + 1 for s in plan.starts])
             rows = [i for i, s in enumerate(plan.sample) if s]
             return self._sample(plan, rows, logits[rows])
         input_ids, positions, batch = self._prepare(plan)
         hidden = self.model(input_ids, positions, batch)
+        if plan.kv_wait is not None:  # what follows on the compute stream comes after the whole load
+            plan.kv_wait(None)
         rows = [i for i, s in enumerate(plan.sample) if s]
         if not rows:
             return StepOutput([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
@@ -59,7 +63,8 @@ class ModelRunner:
             slots = self.req_table.read(req.row, start + n)
             locs.append(slots[start:])
             token_slots.append(slots)
-        batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots)
+        batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
+                             wait_kv=plan.kv_wait)
         lens = torch.tensor(plan.extend_lens)
         meta = torch.stack([torch.tensor([r.row for r in plan.reqs]), torch.tensor(plan.starts), lens,
                             lens.cumsum(0) - lens]).to(self.device, non_blocking=True)  # one copy

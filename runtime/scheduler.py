@@ -123,22 +123,34 @@ class Scheduler:
 
     def schedule(self) -> BatchPlan | None:
         self._poll_transfers()
-        return self._schedule_prefill() or self._schedule_decode()
+        plan = self._schedule_prefill() or self._schedule_decode()
+        tickets = frozenset().union(*(r.wait_tickets for r in plan.reqs)) if plan is not None else None
+        if tickets:  # load-backs in flight (or failed, unreported): each layer's attention waits for its
+            # own layer, on the device; process_result settles them before any token goes out
+            plan.kv_wait = self.cache.layer_waiter(tickets)
+            plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
+                               if r.wait_tickets and s and r.generator is not None}
+        return plan
 
-    def _poll_transfers(self) -> None:
-        """Fold in finished L1 <-> L2 transfers; recompute the requests whose load-back failed."""
+    def _poll_transfers(self) -> list[Req]:
+        """Fold in finished L1 <-> L2 transfers; recompute the requests whose load-back failed
+        (returned: a batch that already ran on such a load must drop what it sampled)."""
         failed = self.cache.poll()
+        retracted = [r for r in self.running if r.wait_tickets & failed] if failed else []
+        for req in retracted:
+            self._retract(req, keep_kv=False)
+            req.load_back_failed = True  # recompute it rather than load again
         if failed:
-            for req in [r for r in self.running if r.wait_tickets & failed]:
-                self._retract(req, keep_kv=False)
-                req.load_back_failed = True  # recompute it rather than load again
             self.cache.drop_stale()
+        return retracted
 
     def _kv_ready(self, req: Req) -> bool:
-        """False while a load-back the request's prefix needs is still in flight."""
+        """Forgets the request's load-backs that have landed. It runs at once all the same: the
+        forward pass waits per layer (plan.kv_wait) and process_result settles them before its tokens
+        go out."""
         if req.wait_tickets and self.cache.loads_done(req.wait_tickets):
             req.wait_tickets = frozenset()
-        return not req.wait_tickets
+        return True
 
     def _schedule_prefill(self) -> BatchPlan | None:
         if self.storage is not None and self.waiting:
@@ -312,7 +324,10 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
 
     def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
+        dropped = self._settle_loads(plan) if plan.kv_wait is not None else ()
         for i, req in enumerate(plan.reqs):
+            if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
+                continue
             req.kv_len += plan.extend_lens[i]
             if plan.mode == "extend":
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
@@ -328,6 +343,21 @@ class Scheduler:
                 self._release(req)
                 self.counters["requests_finished"] += 1
             self._emit(req, [token], reason, logprobs)
+
+    def _settle_loads(self, plan: BatchPlan) -> set[int]:
+        """Before a token sampled over loaded-back pages goes out, those loads must have landed (on
+        CUDA they have: the pass waited for them and the sampler synced). A request whose load
+        failed is retracted and recomputed; returns their ids, whose results are dropped (and
+        whose sampler is rewound)."""
+        if any(r.wait_tickets and s for r, s in zip(plan.reqs, plan.sample)):
+            self.cache.settle_loads(frozenset().union(*(r.wait_tickets for r in plan.reqs)))
+        dropped = {id(r) for r in self._poll_transfers()}
+        for req in plan.reqs:
+            if id(req) in dropped and id(req) in plan.rng_states:
+                req.generator.set_state(plan.rng_states[id(req)])
+            elif id(req) not in dropped:
+                self._kv_ready(req)
+        return dropped
 
     def _finish(self, req: Req, reason: dict) -> None:
         self._emit(req, [], reason, None)

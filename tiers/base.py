@@ -144,7 +144,10 @@ class TransferEngine(Protocol):
     reported, never raised) shows up in a later `poll()`, which never blocks. Slots are [n] int64,
     CPU. The caller keeps the source and destination slots alive until the ticket completes.
     `synchronize(ticket)` blocks until that ticket is done: for the rare path that must (L1
-    eviction under write_back), never for the hot path.
+    eviction under write_back), never for the hot path. An engine may also offer
+    `wait_layer(ticket, layer)` (layer None: all): order the compute that follows after that layer
+    of a load, without blocking the host (`CacheController.layer_waiter` falls back to
+    `synchronize` where it is missing).
     """
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int: ...

@@ -139,7 +139,8 @@ def test_store_kv_strided_v(dtype):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_transfer_load_and_backup(layout, page_size, dtype):
+@pytest.mark.parametrize("max_blocks", [0, 3])  # 3: few programs, each looping over token blocks
+def test_transfer_load_and_backup(layout, page_size, dtype, max_blocks):
     from hicache.tiers.host.pool import HostKVPool
 
     gen = fresh_gen()
@@ -157,7 +158,8 @@ def test_transfer_load_and_backup(layout, page_size, dtype):
     dslots = (dev_pages[:, None] * page_size + ar).reshape(-1)
 
     for layer in range(layers):  # load-back, one launch per layer
-        copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layer, layer + 1), to_host=False)
+        copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layer, layer + 1), to_host=False,
+                max_blocks=max_blocks)
     torch.cuda.synchronize()
     for layer in range(layers):
         hk, hv = host.get_layer(layer, hslots.cpu())
@@ -166,7 +168,7 @@ def test_transfer_load_and_backup(layout, page_size, dtype):
     for b in k_bufs + v_bufs:  # new device contents, then backup all layers in one launch
         b.copy_(torch.randn(b.shape, generator=gen, device=DEV).to(dtype))
     before = host.buffer.clone()
-    copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layers), to_host=True)
+    copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(layers), to_host=True, max_blocks=max_blocks)
     torch.cuda.synchronize()
     want = HostKVPool(host_tokens, page_size, layers, hkv, d, dtype, layout, pin=False)
     want.buffer.copy_(before)
@@ -199,3 +201,47 @@ def test_launchers_reject_bad_arguments():
         copy_kv(torch.zeros(2, 1, 16, 2, 64, dtype=torch.bfloat16), "layer_first", ptrs, one, one, range(1), False)
     with pytest.raises(ValueError, match="dtype"):
         copy_kv(torch.zeros(2, 1, 16, 2, 64, pin_memory=True), "layer_first", ptrs, one, one, range(1), False)
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+def test_transfer_engine_load_waits_per_layer(path, monkeypatch):
+    """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
+    next after layer i of the load alone (what the forward pass does before layer i's attention).
+    Scattered pages go through the Triton kernel, a few contiguous runs through the copy engine."""
+    from hicache.tiers.gpu.pool import DeviceKVPool
+    from hicache.tiers.host.pool import HostKVPool
+    from hicache.tiers.host import transfer
+    from hicache.tiers.host.transfer import HostTransferEngine, contiguous_runs
+
+    monkeypatch.setattr(transfer, "DMA_MAX_RUNS", 8 if path == "dma" else 0)  # the copy-engine path is opt-in
+    layers, hkv, d, n = 8, 8, 128, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
+    dev = DeviceKVPool(n, 64, layers, hkv, d, torch.bfloat16, DEV)
+    host = HostKVPool(n, 64, layers, hkv, d, torch.bfloat16, "layer_first", pin=True)
+    host.buffer.copy_(torch.randn(host.buffer.shape, generator=fresh_gen(), device=DEV, dtype=torch.bfloat16).cpu())
+    for i in range(layers):
+        dev.k_buffer(i).zero_()
+        dev.v_buffer(i).zero_()
+    torch.cuda.synchronize()
+    eng = HostTransferEngine(dev, host, "kernel")
+    if path == "kernel":  # scattered pages
+        slots, dst = torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1), torch.arange(n)
+    else:  # pages in the allocator's (descending) order on both sides, in two runs
+        slots = torch.arange(n // 64).flip(0)[:, None].mul(64).add(torch.arange(64)).view(-1)
+        dst = slots.roll(n // 2)
+    assert (contiguous_runs(slots, dst, 8) is None) == (path == "kernel")
+    ticket = eng.load(slots, dst)
+    free = torch.cuda.Event()
+    free.record()
+    free.synchronize()  # compute did not wait for the whole load
+    assert eng.in_flight() == 1 and not eng.poll()
+    snaps = []
+    for i in range(layers):
+        eng.wait_layer(ticket, i)
+        snaps.append((dev.k_buffer(i).clone(), dev.v_buffer(i).clone()))
+    torch.cuda.synchronize()
+    for i, (k, v) in enumerate(snaps):
+        hk, hv = host.get_layer(i, slots)
+        assert torch.equal(k[dst].cpu(), hk) and torch.equal(v[dst].cpu(), hv), f"layer {i} read before it landed"
+    res = eng.poll()
+    assert [(r.ticket, r.ok) for r in res] == [(ticket, True)]
+    eng.wait_layer(ticket, 0)  # finished: nothing to wait for

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json.decoder
 import os
 import random
@@ -25,6 +26,7 @@ from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.scheduler import Scheduler
+from hicache.tiers.base import TransferResult
 
 # ---------------------------------------------------------------------------------------------
 # Tiny model, Scheduler driven directly
@@ -82,6 +84,65 @@ class LateTransfer:
         self._ready += self.inner.poll()
         self.hold = False
 
+    def wait_layer(self, ticket, layer=None):  # the copy itself ran (synchronously, on CPU)
+        self.inner.wait_layer(ticket, layer)
+
+
+class LazyTransfer:
+    """Wraps the real engine so that a load-back lands only when something waits for it, layer by
+    layer (`wait_layer`, `synchronize`), or on its own three polls later, as an unwaited copy on a
+    GPU lands whenever it lands: a forward pass that reads loaded pages without waiting for their
+    layer reads stale KV and gives wrong outputs."""
+
+    def __init__(self, inner, device_pool, host_pool):
+        self.inner, self.loads, self._tickets = inner, {}, itertools.count(10**6)
+        self.dev, self.host = device_pool, host_pool
+        self.waits = 0
+
+    def backup(self, d, h):
+        return self.inner.backup(d, h)
+
+    def load(self, h, d, on_layer=None):
+        ticket = next(self._tickets)
+        self.loads[ticket] = [h, d, set(), 0, None]  # host, device slots, layers landed, polls, error
+        return ticket
+
+    def _land(self, ticket, layers) -> None:
+        op = self.loads[ticket]
+        h, d, landed = op[:3]
+        for layer in layers:
+            if layer not in landed and op[4] is None:
+                try:
+                    k, v = self.host.get_layer(layer, h)
+                except RuntimeError as e:  # Faults: reported by poll(), as the real engine does
+                    op[4] = repr(e)
+                    return
+                self.dev.k_buffer(layer)[d], self.dev.v_buffer(layer)[d] = k, v
+                landed.add(layer)
+
+    def wait_layer(self, ticket, layer=None):
+        if ticket in self.loads:
+            self.waits += 1
+            self._land(ticket, range(self.dev.num_layers) if layer is None else [layer])
+
+    def synchronize(self, ticket):
+        if ticket in self.loads:
+            self._land(ticket, range(self.dev.num_layers))
+        else:
+            self.inner.synchronize(ticket)
+
+    def poll(self):
+        done = []
+        for ticket, op in list(self.loads.items()):
+            op[3] += 1
+            if op[3] > 3:
+                self._land(ticket, range(self.dev.num_layers))
+            if len(op[2]) == self.dev.num_layers or op[4] is not None:
+                del self.loads[ticket]
+                n = op[1].numel()
+                done.append(TransferResult(ticket, "load", op[4] is None, n, n * self.host.bytes_per_token(), 0.0, op[4]))
+        return done + self.inner.poll()
+
 
 class Faults:
     """Makes the host pool's copies (inside the transfer engine) raise: always while `on`, and
@@ -133,8 +194,11 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
     rng = random.Random(f"{policy}{layout}{page_size}{late}{os.environ.get('HICACHE_STRESS_SEED', '')}")
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size,
                            hicache_write_policy=policy, hicache_mem_layout=layout)
+    real = sched.cache.transfer
     if late:
-        sched.cache.transfer = LateTransfer(sched.cache.transfer)
+        sched.cache.transfer = LateTransfer(real)
+    if policy.startswith("write_through"):  # loads land only when waited for (or late, on their own)
+        sched.cache.transfer = LazyTransfer(sched.cache.transfer, real.device_pool, real.host_pool)
     faults = Faults(sched)
     stems = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
     prompts, aborted, results, flushes = {}, set(), {}, 0
@@ -222,6 +286,23 @@ def test_second_round_is_served_from_host(tiny_config_path, reference_outputs):
     assert set(stats["tiers"]["device"]) <= set(host)  # same keys as the device tier, and more
 
 
+@pytest.mark.parametrize("page_size,layout", [(1, "layer_first"), (4, "page_first")])
+def test_forward_waits_for_each_layer_of_a_load_in_flight(tiny_config_path, reference_outputs, page_size, layout):
+    """Requests run while their load-back is in flight (no scheduler wait); each layer's attention
+    waits for its own layer: with copies that land only when waited for, outputs stay exact."""
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, page_size=page_size, hicache_mem_layout=layout)
+    real = sched.cache.transfer
+    lazy = LazyTransfer(LateTransfer(real), real.device_pool, real.host_pool)  # backups land late too
+    sched.cache.transfer = lazy
+    rng = random.Random(6)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
+    got = _two_rounds(sched, convs)
+    want = reference_outputs([(p + [7, 8, 9], 4) for p in convs])
+    assert [got[f"b{i}"][0] for i in range(4)] == want
+    assert sched.stats()["tiers"]["host"]["loaded_back_tokens"] >= 2 * 60 and lazy.waits > 0
+    flush(sched)
+
+
 def test_host_pool_exhaustion_recomputes(tiny_config_path, reference_outputs):
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=0.5)  # L2 holds 64 tokens
     rng = random.Random(2)
@@ -271,10 +352,10 @@ def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs)
         drain(sched)
     sched.add_request(GenerateRequest("b0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
     late.hold = True  # the copy will not land until released
-    assert sched.schedule() is None  # admitted, its load-back in flight: nothing to run yet
-    assert sched.running and sched.running[0].wait_tickets
+    plan = sched.schedule()  # admitted and planned at once, its load-back in flight: the pass would wait per layer
+    assert plan is not None and plan.kv_wait is not None and plan.reqs[0].wait_tickets
     sched.check_integrity()
-    sched.abort("b0")
+    sched.abort("b0")  # before the plan runs
     sched.check_integrity()
     assert not sched.flush_cache()  # the copy still pins its pages
     out = drain_all(sched)
@@ -287,6 +368,41 @@ def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs)
     sched.check_integrity()
     sched.add_request(GenerateRequest("c0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
     assert drain(sched)["c0"][0] == reference_outputs([(convs[0] + [5], 4)])[0]
+
+
+def test_batch_run_on_a_load_that_then_fails_is_dropped_and_recomputed(tiny_config_path):
+    """The forward pass does not wait for a load-back to finish before it starts; when the load
+    turns out to have failed, what that pass sampled is dropped (the sampler rewound) and the
+    request is recomputed without the load."""
+    sampled = {"temperature": 1.0, "top_k": 50, "seed": 1234, "max_new_tokens": 4}
+    rng = random.Random(5)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
+    ref = tiny_scheduler(tiny_config_path, total=1024, disable_radix_cache=True)
+    ref.add_request(GenerateRequest("r", convs[0] + [7], sampled))
+    want = drain(ref)["r"][0]
+
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    late = LateTransfer(sched.cache.transfer)
+    sched.cache.transfer = late
+    faults = Faults(sched)
+    for i, p in enumerate(convs):
+        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        drain(sched)
+    sched.add_request(GenerateRequest("b0", convs[0] + [7], sampled))
+    faults.arm()  # the load-back's copy fails; the engine reports it one poll late
+    plan = sched.schedule()
+    assert plan is not None and plan.reqs[0].rid == "b0" and plan.kv_wait is not None and plan.reqs[0].wait_tickets
+    assert plan.sample == [True]
+    sched.process_result(plan, sched.runner.run(plan))  # ran on the failed load, then learnt of the failure
+    sched.check_integrity()
+    assert not sched._outputs, "a token sampled over a failed load went out"
+    assert [r.rid for r in sched.waiting] == ["b0"] and sched.waiting[0].load_back_failed
+    assert sched.waiting[0].output_ids == [] and sched.stats()["retractions"] == 1
+    got = drain(sched)["b0"]
+    assert got[0] == want
+    assert sched.stats()["tiers"]["host"]["transfer_failures"] == 1
+    assert sched.flush_cache()
+    sched.check_integrity()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,14 +3,23 @@
 On CPU a copy runs inside `backup` / `load` (torch index copies) and its result waits for the next
 `poll()`. On CUDA the copies run on side streams (one for writes, one for loads) ordered after the
 work already queued on the compute stream, and `poll()` reports a ticket once its finish event has
-fired. There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
+fired. A load records one event per layer and the compute stream does not wait for it as a whole:
+the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` before layer i's
+attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
 kernel of `hicache.kernels.transfer`: one launch per layer for a load, one launch for all layers
-of a backup; "direct" keeps the torch index copies.
+of a backup; "direct" keeps the torch index copies. A load's kernel runs at most
+`HICACHE_LOAD_BLOCKS` programs (default 16) per layer and K/V, so that it leaves the SMs to the
+compute it overlaps (0: one program per 8 tokens). On an H200, an extend of 1k tokens over a 31k
+prefix loaded back from L2 took 110 ms with 16 programs, 146 ms with 64 and 83 ms with the prefix
+resident. `HICACHE_LOAD_DMA_RUNS` > 0 copies a load whose pages pair up into at most that many
+runs contiguous on both sides (layer_first host layout) with the copy engine instead (a memcpy per
+run, layer and K/V); off by default: it overlapped worse (158 ms), for reasons not yet understood.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -21,6 +30,25 @@ from hicache.tiers.base import DevicePool, TransferResult
 logger = logging.getLogger(__name__)
 
 IO_BACKENDS = ("direct", "kernel")
+LOAD_BLOCKS = int(os.environ.get("HICACHE_LOAD_BLOCKS", "16"))
+DMA_MAX_RUNS = int(os.environ.get("HICACHE_LOAD_DMA_RUNS", "0"))
+# 0: a load's copies are queued at once and the compute stream waits for the whole load (no overlap).
+LOAD_OVERLAP = os.environ.get("HICACHE_LOAD_OVERLAP", "1") != "0"
+
+
+def contiguous_runs(host_slots: torch.Tensor, device_slots: torch.Tensor, max_runs: int) -> list[tuple[int, int, int]] | None:
+    """The pairs host_slots[i] -> device_slots[i] ([n] int64, CPU) as (host start, device start,
+    length) runs contiguous on both sides, in host order; None when there are more than max_runs."""
+    if host_slots.numel() == 0:
+        return []
+    order = torch.argsort(host_slots)
+    h, d = host_slots[order], device_slots[order]
+    breaks = ((h[1:] - h[:-1] != 1) | (d[1:] - d[:-1] != 1)).nonzero().view(-1) + 1
+    if breaks.numel() >= max_runs:
+        return None
+    starts = [0] + breaks.tolist()
+    ends = starts[1:] + [h.numel()]
+    return [(int(h[a]), int(d[a]), b - a) for a, b in zip(starts, ends)]
 
 
 class _Pending(NamedTuple):
@@ -29,6 +57,7 @@ class _Pending(NamedTuple):
     tokens: int
     start: float
     event: object  # torch.cuda.Event recorded after the last copy
+    layer_events: tuple = ()  # load: one torch.cuda.Event per layer, recorded once it is copied
 
 
 class HostTransferEngine:
@@ -47,6 +76,7 @@ class HostTransferEngine:
         self._tickets = itertools.count(1)
         self._done: list[TransferResult] = []
         self._pending: dict[int, _Pending] = {}
+        self._deferred: dict[int, tuple] = {}  # CUDA loads not yet queued: ticket -> (slots, on_layer, start, after)
         self._streams = None
         self._layers = None  # kernels.transfer.DeviceLayers when the Triton kernel copies
         if self.device.type == "cuda":
@@ -82,19 +112,57 @@ class HostTransferEngine:
                 self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start)
         except Exception as e:  # reported through poll(), never raised into the scheduler
             logger.warning("%s transfer %d failed: %r", kind, ticket, e)
+            if self._streams is not None:  # copies queued before the failure still write its pages
+                torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
             self._finish(ticket, kind, n, start, repr(e))
         return ticket
 
     def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start) -> None:
+        if kind == "load" and LOAD_OVERLAP:
+            # Queued at the first wait_layer (the forward pass that needs it, once its inputs are on
+            # the device: the compute stream's own small host->device copies would otherwise queue
+            # behind the load on the copy engine), or at the next poll. It still comes after the
+            # compute queued before now, which may read the pages it overwrites.
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+            self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after)
+            return
+        self._issue(ticket, kind, device_slots, host_slots, on_layer, start, None)
+        if kind == "load":  # LOAD_OVERLAP off: later compute waits for the whole load
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
+
+    def _kick(self) -> None:
+        """Queues the deferred loads on the load stream."""
+        while self._deferred:
+            ticket = next(iter(self._deferred))
+            device_slots, host_slots, on_layer, start, after = self._deferred.pop(ticket)
+            try:
+                self._issue(ticket, "load", device_slots, host_slots, on_layer, start, after)
+            except Exception as e:  # reported through poll()
+                logger.warning("load transfer %d failed: %r", ticket, e)
+                torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
+                self._finish(ticket, "load", int(device_slots.numel()), start, repr(e))
+
+    def _issue(self, ticket, kind, device_slots, host_slots, on_layer, start, after) -> None:
         stream = self._streams[kind]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
+        else:
+            stream.wait_event(after)
+        layer_events = []
+
+        def landed(layer: int) -> None:
+            layer_events.append(torch.cuda.Event())
+            layer_events[-1].record(stream)
+            if on_layer is not None:
+                on_layer(layer)
+
         with torch.cuda.stream(stream):
-            self._copy(kind, device_slots, host_slots, on_layer)
+            self._copy(kind, device_slots, host_slots, landed if kind == "load" else None)
             event = torch.cuda.Event()
             event.record(stream)
-        if kind == "load":  # later compute reads the loaded pages
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._pending[ticket] = _Pending(ticket, kind, int(device_slots.numel()), start, event)
+        # Compute that reads the loaded pages waits for them through wait_layer (per layer).
+        self._pending[ticket] = _Pending(ticket, kind, int(device_slots.numel()), start, event, tuple(layer_events))
 
     def _copy(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
         if self._layers is not None:
@@ -115,13 +183,29 @@ class HostTransferEngine:
         from hicache.kernels.transfer import copy_kv
 
         host, layers = self.host_pool, self.device_pool.num_layers
+        if kind == "load" and host.layout == "layer_first":
+            runs = contiguous_runs(host_slots, device_slots, DMA_MAX_RUNS)
+            if runs is not None:
+                return self._load_dma(runs, on_layer)
         dslots = device_slots.to(self.device, non_blocking=True)
         hslots = host_slots.to(self.device, non_blocking=True)
         if kind == "backup":
             copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers), to_host=True)
             return
         for layer in range(layers):
-            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layer, layer + 1), to_host=False)
+            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layer, layer + 1), to_host=False,
+                    max_blocks=LOAD_BLOCKS)
+            if on_layer is not None:
+                on_layer(layer)
+
+    def _load_dma(self, runs: list[tuple[int, int, int]], on_layer) -> None:
+        """Load-back by the copy engine: per layer, one async memcpy per run for K and for V."""
+        buf, dev = self.host_pool.buffer, self.device_pool  # layer_first: [2, L, slots, H, D], pinned
+        for layer in range(dev.num_layers):
+            k, v = dev.k_buffer(layer), dev.v_buffer(layer)
+            for h0, d0, n in runs:
+                k[d0:d0 + n].copy_(buf[0, layer, h0:h0 + n], non_blocking=True)
+                v[d0:d0 + n].copy_(buf[1, layer, h0:h0 + n], non_blocking=True)
             if on_layer is not None:
                 on_layer(layer)
 
@@ -134,6 +218,7 @@ class HostTransferEngine:
 
     def poll(self) -> list[TransferResult]:
         """Transfers finished since the last poll, in completion order. Never blocks."""
+        self._kick()
         for p in list(self._pending.values()):
             if p.event.query():
                 del self._pending[p.ticket]
@@ -143,9 +228,22 @@ class HostTransferEngine:
 
     def synchronize(self, ticket: int) -> None:
         """Blocks until `ticket` has finished (its result still comes through poll())."""
+        self._kick()
         p = self._pending.get(ticket)
         if p is not None:
             p.event.synchronize()
 
+    def wait_layer(self, ticket: int, layer: int | None = None) -> None:
+        """Makes the current (compute) stream wait, on the device, until layer `layer` of load
+        `ticket` has landed (None: all of it). No host sync; nothing to wait for on CPU (copies are
+        synchronous) or once the ticket has finished. Queues deferred loads first."""
+        if self._deferred:
+            self._kick()
+        p = self._pending.get(ticket)
+        if p is None:
+            return
+        event = p.layer_events[layer] if layer is not None and layer < len(p.layer_events) else p.event
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._deferred)
