@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -213,7 +214,7 @@ def main(argv=None) -> None:
           f"L2 {args.hicache_ratio:g} x L1 where on")
     if not with_l3:
         print("hicache serve has no --hicache-storage-backend yet: the L3 configurations are skipped")
-    command = "python -u benchmarks/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -u benchmarks/compare.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results = []
@@ -337,7 +338,8 @@ def plot(results: list[dict], out: Path, name: str) -> None:
             bottom = [a + b for a, b in zip(bottom, vals)]
         ax.set(title=r["tag"], xlabel="round", ylim=(0, 1))
     axes[0][0].set(ylabel="cached / prompt tokens")
-    axes[0][-1].legend(loc="upper left", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.1))
     fig.suptitle("Cache hit rate per tier by round", y=1.03)
     fig.savefig(out / f"{name}_hit_rate_by_round.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
