@@ -155,7 +155,26 @@ def test_top_p_large_vocab_matches_hf(scale):
               for _ in range(b)]
     probs = filtered_probs(logits.clone(), params)
     for i in range(b):
-        assert torch.equal(probs[i] > 0, _hf_allowed(logits[i], params[i])), (i, params[i])
+        differ = (probs[i] > 0) != _hf_allowed(logits[i], params[i])
+        assert not (differ & ~_near_cut(logits[i], params[i])).any(), (i, params[i], differ.nonzero())
+
+
+def _near_cut(row: torch.Tensor, p: SamplingParams, tol: float = 1e-5) -> torch.Tensor:
+    """Tokens that float32 rounding may put on either side of the top_p or min_p cut: their
+    float64 suffix mass (HF's ascending cumulative prob) within `tol` of 1 - top_p, or their prob
+    within `tol` of min_p times the best prob. Over thousands of tokens the two sides sum in
+    different orders, so only these may differ."""
+    s = row.double() / p.temperature
+    if p.top_k > 0:
+        s = s.masked_fill(s < s.topk(min(p.top_k, s.numel())).values[-1], float("-inf"))
+    probs = s.softmax(-1)
+    desc, order = probs.sort(descending=True)
+    suffix = torch.empty_like(probs)
+    suffix[order] = desc.flip(0).cumsum(0).flip(0)
+    near = (suffix - (1 - p.top_p)).abs() < tol
+    if p.min_p > 0:
+        near |= (probs - p.min_p * probs.max()).abs() < tol
+    return near
 
 
 def test_draw_never_picks_zero_probability():
