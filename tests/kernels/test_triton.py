@@ -203,17 +203,14 @@ def test_launchers_reject_bad_arguments():
         copy_kv(torch.zeros(2, 1, 16, 2, 64, pin_memory=True), "layer_first", ptrs, one, one, range(1), False)
 
 
-@pytest.mark.parametrize("path", ["kernel", "dma"])
-def test_transfer_engine_load_waits_per_layer(path, monkeypatch):
+def test_transfer_engine_load_waits_per_layer():
     """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
     next after layer i of the load alone (what the forward pass does before layer i's attention).
-    Scattered pages go through the Triton kernel, a few contiguous runs through the copy engine."""
+    The pages are scattered; the Triton gather kernel copies them."""
     from hicache.tiers.gpu.pool import DeviceKVPool
     from hicache.tiers.host.pool import HostKVPool
-    from hicache.tiers.host import transfer
-    from hicache.tiers.host.transfer import HostTransferEngine, contiguous_runs
+    from hicache.tiers.host.transfer import HostTransferEngine
 
-    monkeypatch.setattr(transfer, "DMA_MAX_RUNS", 8 if path == "dma" else 0)  # the copy-engine path is opt-in
     layers, hkv, d, n = 8, 8, 128, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
     dev = DeviceKVPool(n, 64, layers, hkv, d, torch.bfloat16, DEV)
     host = HostKVPool(n, 64, layers, hkv, d, torch.bfloat16, "layer_first", pin=True)
@@ -223,12 +220,7 @@ def test_transfer_engine_load_waits_per_layer(path, monkeypatch):
         dev.v_buffer(i).zero_()
     torch.cuda.synchronize()
     eng = HostTransferEngine(dev, host, "kernel")
-    if path == "kernel":  # scattered pages
-        slots, dst = torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1), torch.arange(n)
-    else:  # pages in the allocator's (descending) order on both sides, in two runs
-        slots = torch.arange(n // 64).flip(0)[:, None].mul(64).add(torch.arange(64)).view(-1)
-        dst = slots.roll(n // 2)
-    assert (contiguous_runs(slots, dst, 8) is None) == (path == "kernel")
+    slots, dst = torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1), torch.arange(n)
     ticket = eng.load(slots, dst)
     free = torch.cuda.Event()
     free.record()

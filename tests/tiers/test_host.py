@@ -8,7 +8,7 @@ import torch
 
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, host_pool_tokens
-from hicache.tiers.host.transfer import HostTransferEngine, contiguous_runs
+from hicache.tiers.host.transfer import HostTransferEngine
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
@@ -100,33 +100,6 @@ def test_backup_then_load_back_round_trips_every_layer(layout, io_backend):
     for i, (k, v) in enumerate(want):
         assert torch.equal(dev.k_buffer(i)[dst], k) and torch.equal(dev.v_buffer(i)[dst], v)
     eng.synchronize(t2)  # a no-op once done
-
-
-def test_contiguous_runs_pair_up_slots_in_any_order():
-    pages = lambda ps, size=4: torch.cat([torch.arange(p * size, p * size + size) for p in ps])
-    # the allocator hands out pages in descending order: host and device runs still pair up
-    assert contiguous_runs(pages([5, 4, 3]), pages([9, 8, 7]), 8) == [(12, 28, 12)]
-    assert contiguous_runs(pages([5, 4, 3]), pages([9, 2, 7]), 8) == [(12, 28, 4), (16, 8, 4), (20, 36, 4)]
-    assert contiguous_runs(pages([5, 4, 3]), pages([9, 2, 7]), 2) is None
-    assert contiguous_runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64), 1) == []
-
-
-def test_load_by_runs_copies_every_layer():
-    """The copy-engine load path (CUDA, layer_first) on CPU tensors: same bytes as the index copy."""
-    dev, host = pools("layer_first")
-    g = torch.Generator().manual_seed(1)
-    host.buffer.copy_(torch.randn(host.buffer.shape, generator=g))
-    eng = HostTransferEngine(dev, host)
-    hslots = torch.tensor([20, 21, 22, 23, 0, 1, 2, 3, 4, 5, 6, 7])
-    dst = torch.tensor([60, 61, 62, 63, 8, 9, 10, 11, 12, 13, 14, 15])
-    runs = contiguous_runs(hslots, dst, 8)
-    assert runs == [(0, 8, 8), (20, 60, 4)]
-    layers = []
-    eng._load_dma(runs, layers.append)
-    assert layers == list(range(LAYERS))
-    for i in range(LAYERS):
-        k, v = host.get_layer(i, hslots)
-        assert torch.equal(dev.k_buffer(i)[dst], k) and torch.equal(dev.v_buffer(i)[dst], v)
 
 
 def test_a_failing_copy_is_reported_not_raised(monkeypatch):

@@ -11,9 +11,7 @@ of a backup; "direct" keeps the torch index copies. A load's kernel runs at most
 `HICACHE_LOAD_BLOCKS` programs (default 16) per layer and K/V, so that it leaves the SMs to the
 compute it overlaps (0: one program per 8 tokens). On an H200, an extend of 1k tokens over a 31k
 prefix loaded back from L2 took 110 ms with 16 programs, 146 ms with 64 and 83 ms with the prefix
-resident. `HICACHE_LOAD_DMA_RUNS` > 0 copies a load whose pages pair up into at most that many
-runs contiguous on both sides (layer_first host layout) with the copy engine instead (a memcpy per
-run, layer and K/V); off by default: it overlapped worse (158 ms), for reasons not yet understood.
+resident. (A copy-engine load, a memcpy per contiguous run, overlapped worse, 158 ms, and was removed.)
 """
 from __future__ import annotations
 
@@ -31,24 +29,8 @@ logger = logging.getLogger(__name__)
 
 IO_BACKENDS = ("direct", "kernel")
 LOAD_BLOCKS = int(os.environ.get("HICACHE_LOAD_BLOCKS", "16"))
-DMA_MAX_RUNS = int(os.environ.get("HICACHE_LOAD_DMA_RUNS", "0"))
 # 0: a load's copies are queued at once and the compute stream waits for the whole load (no overlap).
 LOAD_OVERLAP = os.environ.get("HICACHE_LOAD_OVERLAP", "1") != "0"
-
-
-def contiguous_runs(host_slots: torch.Tensor, device_slots: torch.Tensor, max_runs: int) -> list[tuple[int, int, int]] | None:
-    """The pairs host_slots[i] -> device_slots[i] ([n] int64, CPU) as (host start, device start,
-    length) runs contiguous on both sides, in host order; None when there are more than max_runs."""
-    if host_slots.numel() == 0:
-        return []
-    order = torch.argsort(host_slots)
-    h, d = host_slots[order], device_slots[order]
-    breaks = ((h[1:] - h[:-1] != 1) | (d[1:] - d[:-1] != 1)).nonzero().view(-1) + 1
-    if breaks.numel() >= max_runs:
-        return None
-    starts = [0] + breaks.tolist()
-    ends = starts[1:] + [h.numel()]
-    return [(int(h[a]), int(d[a]), b - a) for a, b in zip(starts, ends)]
 
 
 class _Pending(NamedTuple):
@@ -183,10 +165,6 @@ class HostTransferEngine:
         from hicache.kernels.transfer import copy_kv
 
         host, layers = self.host_pool, self.device_pool.num_layers
-        if kind == "load" and host.layout == "layer_first":
-            runs = contiguous_runs(host_slots, device_slots, DMA_MAX_RUNS)
-            if runs is not None:
-                return self._load_dma(runs, on_layer)
         dslots = device_slots.to(self.device, non_blocking=True)
         hslots = host_slots.to(self.device, non_blocking=True)
         if kind == "backup":
@@ -195,17 +173,6 @@ class HostTransferEngine:
         for layer in range(layers):
             copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layer, layer + 1), to_host=False,
                     max_blocks=LOAD_BLOCKS)
-            if on_layer is not None:
-                on_layer(layer)
-
-    def _load_dma(self, runs: list[tuple[int, int, int]], on_layer) -> None:
-        """Load-back by the copy engine: per layer, one async memcpy per run for K and for V."""
-        buf, dev = self.host_pool.buffer, self.device_pool  # layer_first: [2, L, slots, H, D], pinned
-        for layer in range(dev.num_layers):
-            k, v = dev.k_buffer(layer), dev.v_buffer(layer)
-            for h0, d0, n in runs:
-                k[d0:d0 + n].copy_(buf[0, layer, h0:h0 + n], non_blocking=True)
-                v[d0:d0 + n].copy_(buf[1, layer, h0:h0 + n], non_blocking=True)
             if on_layer is not None:
                 on_layer(layer)
 
