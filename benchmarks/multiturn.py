@@ -369,7 +369,7 @@ async def prepare(http: httpx.AsyncClient, args) -> None:
         args.model = (await http.get("/v1/models")).json()["data"][0]["id"]
     if args.warmup:
         send = native_request if args.api == "native" else openai_request
-        prompt = [{"role": "user", "content": "Hello"}] if args.api == "openai" else [1000] * 8 if uses_ids(args) else "Hello"
+        prompt = [{"role": "user", "content": "Hello"}] if args.api == "openai" else [args.vocab_range[0]] * 8 if uses_ids(args) else "Hello"
         await send(http, Turn(-1, -1, prompt), args)
     if args.flush:
         await http.post("/flush_cache")  # another engine may not have it: the status is not checked
