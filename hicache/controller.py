@@ -377,9 +377,12 @@ class CacheController:
     def check_integrity(self, held_slots: torch.Tensor | None = None,
                         request_locks: dict[TreeNode, int] | None = None) -> None:
         """The tree's checks, with pins accounted for by in-flight transfers and, given
-        `request_locks` (node -> running requests locking it), direct locks = requests + transfers."""
+        `request_locks` (node -> running requests locking it), direct locks = requests + transfers;
+        with L3, the page keys cached on nodes against a recomputation."""
+        storage = self.storage
         self.tree.check_integrity(held_slots, self.expected_pins(),
-                                  self.storage.held_host_slots() if self.storage is not None else None)
+                                  storage.held_host_slots() if storage is not None else None,
+                                  storage.seed if storage is not None else None)
         if request_locks is None:
             return
         want = collections.Counter({n: c for n, c in request_locks.items() if n.parent is not None})

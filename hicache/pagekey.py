@@ -29,10 +29,17 @@ def salted_seed(seed: bytes, cache_salt: str) -> bytes:
 
 def page_keys(seed: bytes, token_ids: Sequence[int], page_size: int) -> list[str]:
     """Hex keys of every whole page of `token_ids`, in order."""
+    return chain_keys(seed, token_ids, page_size)
+
+
+def chain_keys(prev: bytes, token_ids: Sequence[int], page_size: int) -> list[str]:
+    """Hex keys of the whole pages of `token_ids` when they follow a page whose key is `prev` (its
+    digest, `bytes.fromhex` of its hex key; the namespace seed for the first page of a prompt).
+    One sha256 per page: a continuation costs its own pages, not its prefix."""
     n = len(token_ids) // page_size
     data = np.asarray(token_ids[: n * page_size], dtype="<i4").tobytes()
     step = 4 * page_size
-    keys, prev = [], seed
+    keys = []
     for i in range(n):
         prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
         keys.append(prev.hex())

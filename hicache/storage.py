@@ -13,7 +13,9 @@ it is deferred and retried (oldest first) as room appears; a deferred prefetch k
 waiting at most the timeout allowance, whatever the policy, then gives up.
 
 Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
-stay pinned until the write is done; the worker skips keys L3 already holds. Past
+stay pinned until the write is done; the worker skips keys L3 already holds. Page keys are cached
+on the tree nodes (`TreeNode.page_keys`, chained from the parent's last key), so a backup hashes
+only pages never hashed before, and a prefetch only the pages beyond the cached prefix. Past
 `backup_queue_pages` pages in flight, further backups are dropped and counted.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hicache.pagekey import page_keys, salted_seed
+from hicache.pagekey import chain_keys, salted_seed
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
 
@@ -127,11 +129,17 @@ class StorageController:
         if end - start < max(self.options.prefetch_threshold, ps):
             return
         tokens = list(token_ids[:end])
-        keys = page_keys(self.seed(namespace), tokens, ps)[start // ps:]
+        keys = self._keys_after(m.last_host_node, tokens[start:])
         op = _Prefetch(rid, namespace, tokens, start, keys, self.engine.query(keys))
         self._by_rid[rid] = op
         self._by_ticket[op.ticket] = op
         self.counters["prefetch_queries"] += 1
+
+    def _keys_after(self, node: TreeNode, tokens: list[int]) -> list[str]:
+        """Keys of the pages of `tokens`, which follow the prefix that ends with `node` (a match's
+        last node, so it is attached, or a root): hashes `tokens` only, not the cached prefix."""
+        prev = self.seed(node.namespace) if node.is_root else bytes.fromhex(self._node_keys(node)[-1])
+        return chain_keys(prev, tokens, self.page_size)
 
     def ready(self, rid: str) -> StorageRange | None:
         """Whether the request may be scheduled now (None: keep it waiting). Commits what its
@@ -255,12 +263,20 @@ class StorageController:
         self._backup_pages += pages
 
     def _node_keys(self, node: TreeNode) -> list[str]:
-        parts, n = [], node
-        while n.parent is not None:
-            parts.append(n.key)
+        """The L3 keys of an attached node's pages, cached on it (`TreeNode.page_keys`): each node
+        is hashed once in its life, chained from its parent's last key (ancestors without keys yet
+        get theirs on the way), and a split shares the keys out (`RadixTree._split`)."""
+        if node.page_keys is not None:
+            return node.page_keys
+        chain, n = [], node
+        while not n.is_root and n.page_keys is None:
+            chain.append(n)
             n = n.parent
-        tokens = [t for key in reversed(parts) for t in key]
-        return page_keys(self.seed(node.namespace), tokens, self.page_size)[-(len(node.key) // self.page_size):]
+        prev = self.seed(node.namespace) if n.is_root else bytes.fromhex(n.page_keys[-1])
+        for n in reversed(chain):
+            n.page_keys = chain_keys(prev, n.key, self.page_size)
+            prev = bytes.fromhex(n.page_keys[-1])
+        return node.page_keys
 
     # ---- completion -----------------------------------------------------------------------
 

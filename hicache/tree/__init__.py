@@ -17,6 +17,9 @@ Ownership: every L1 slot is free in the allocator, held by a running request, or
 one node; every L2 slot is free in the host allocator or owned by exactly one node. `insert`
 transfers ownership of the new part to the tree; `evict`, `evict_host` and `reset` give slots back.
 A running request `lock`s its matched node so the path cannot be evicted from L1.
+
+L3 page keys: the storage controller caches the chained keys of a node's pages on the node
+(`page_keys`, computed once from the parent's last key); `_split` divides them between the halves.
 """
 from __future__ import annotations
 

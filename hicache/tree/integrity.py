@@ -5,25 +5,32 @@ Not for hot paths: each check walks the whole tree and both free lists.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from hicache.pagekey import chain_keys
 
 if TYPE_CHECKING:
     from hicache.tree import RadixTree, TreeNode
 
 
 def check_tree(tree: RadixTree, held_slots: torch.Tensor | None = None,
-               expected_pins: dict[TreeNode, int] | None = None, held_host_slots: torch.Tensor | None = None) -> None:
+               expected_pins: dict[TreeNode, int] | None = None, held_host_slots: torch.Tensor | None = None,
+               seed: Callable[[str], bytes] | None = None) -> None:
     """AssertionError naming the first violation of: structure (keys, links, namespaces), residency
     (each node on some tier, L1 closed upwards, locks only on L1, pins only on L2), lock counts,
-    the leaf sets and counters, and slot accounting on L1 (tree + free + `held_slots` = pool) and
-    L2 (tree + free + `held_host_slots` = pool)."""
+    the leaf sets and counters, slot accounting on L1 (tree + free + `held_slots` = pool) and
+    L2 (tree + free + `held_host_slots` = pool), and cached L3 page keys (a node's only with its
+    parent's; with `seed`, namespace -> seed, each equal to the chain from its parent's last key,
+    hence to a recomputation from the root)."""
     for ns, root in tree._roots.items():
         assert root.is_root and root.namespace == ns and root.lock_ref == 0, f"bad root {root!r}"
+        assert root.page_keys is None, f"{root!r}: a root has no pages, hence no page keys"
     device, host, locked, unlocked, leaves, device_leaves = [], [], 0, 0, set(), set()
     for node in tree.nodes():
         _check_node(tree, node)
+        _check_page_keys(tree, node, seed)
         if node.device_slots is not None:
             device.append(node.device_slots)
             if node.lock_ref:
@@ -73,6 +80,17 @@ def _check_node(tree: RadixTree, node: TreeNode) -> None:
     assert node.host_pin >= 0, f"{node!r}: negative host_pin"
     assert node.host_pin == 0 or node.host_slots is not None, f"{node!r}: pinned but not on the host"
     assert not node.stale or node.device_slots is not None, f"{node!r}: stale without a device copy"
+
+
+def _check_page_keys(tree: RadixTree, node: TreeNode, seed: Callable[[str], bytes] | None) -> None:
+    keys, parent = node.page_keys, node.parent
+    if keys is None:
+        return
+    assert len(keys) == len(node.key) // tree.page_size, f"{node!r}: {len(keys)} cached page keys"
+    assert parent.is_root or parent.page_keys is not None, f"{node!r}: page keys cached below a parent without"
+    if seed is not None:
+        prev = seed(node.namespace) if parent.is_root else bytes.fromhex(parent.page_keys[-1])
+        assert keys == chain_keys(prev, node.key, tree.page_size), f"{node!r}: cached page keys are wrong"
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

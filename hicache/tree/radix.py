@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -182,13 +182,17 @@ class RadixTree(Residency):
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cuts `node` after k tokens (0 < k < len, page-aligned); returns the new upper node.
 
-        The lower part stays the same object, so locks and references held on it stay valid.
+        The lower part stays the same object, so locks and references held on it stay valid. Cached
+        L3 page keys are split with the pages (no rehash).
         """
         upper = TreeNode(node.key[:k], node.parent, node.namespace)
         upper.device_slots = _slice(node.device_slots, 0, k)
         upper.host_slots = _slice(node.host_slots, 0, k)
         upper.lock_ref, upper.host_pin, upper.stale = node.lock_ref, node.host_pin, node.stale
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        if node.page_keys is not None:
+            pages = k // self.page_size
+            upper.page_keys, node.page_keys = node.page_keys[:pages], node.page_keys[pages:]
         node.parent.children[self._page(upper.key)] = upper
         node.key = node.key[k:]
         node.device_slots = _slice(node.device_slots, k, None)
@@ -308,10 +312,12 @@ class RadixTree(Residency):
 
     def check_integrity(self, held_slots: torch.Tensor | None = None,
                         expected_pins: dict[TreeNode, int] | None = None,
-                        held_host_slots: torch.Tensor | None = None) -> None:
+                        held_host_slots: torch.Tensor | None = None,
+                        seed: Callable[[str], bytes] | None = None) -> None:
         """Asserts the structural invariants, residency rules, lock counts and the slot accounting
         against both allocators (see `hicache/tree/integrity.py`). `held_slots`: L1 slots running
         requests hold; `expected_pins`: node -> pins the in-flight transfers account for (every
         other node must have none); `held_host_slots`: L2 slots held outside the tree (L3
-        prefetches). AssertionError names the first violation."""
-        check_tree(self, held_slots, expected_pins, held_host_slots)
+        prefetches); `seed`: namespace -> page-key seed, to check the cached L3 page keys against a
+        recomputation. AssertionError names the first violation."""
+        check_tree(self, held_slots, expected_pins, held_host_slots, seed)

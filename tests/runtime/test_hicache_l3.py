@@ -131,6 +131,30 @@ def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, refer
     second.close()
 
 
+def test_backups_after_splits_land_under_the_keys_a_restart_queries(tiny_config_path, reference, tmp_path):
+    """Prompts sharing prefixes split each other's nodes (keys cached on nodes are split with
+    them); what was backed up is found under keys computed from the root, and served."""
+    a = prompts(11, n=1)[0]
+    ps = [a, a[:40] + prompts(12, n=1, length=50)[0], a[:20] + prompts(13, n=1, length=70)[0]]
+    first = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    run_each(first, ps, "a")
+    settle(first)
+    seed = first.storage.seed("")
+    backend = first.storage.engine.backend
+    for p in ps:
+        keys = page_keys(seed, p, PAGE)
+        assert backend.batch_exists(keys) == len(keys) == 22
+    first.close()
+    second = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    warm = run_each(second, ps, "b")
+    assert [o for o, _ in warm] == reference(ps)
+    assert [m["cached_tokens_details"] for _, m in warm] == [
+        {"device": 0, "host": 0, "storage": 88}, {"device": 40, "host": 0, "storage": 48},
+        {"device": 20, "host": 0, "storage": 68}]
+    settle(second)
+    second.close()
+
+
 def test_lmdb_filled_past_its_cap_evicts_and_serves(tiny_config_path, reference, tmp_path):
     ps = prompts(7, n=6)
     page_bytes = 2 * 2 * 2 * 16 * 4 * PAGE  # tiny-llama: K and V, 2 layers, 2 KV heads, head_dim 16, fp32
