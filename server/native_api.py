@@ -130,7 +130,8 @@ async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi:
 @router.get("/health")
 async def health(request: Request):
     """200 while the scheduler runs. `details.storage` is the L3 tier's state ("ok", "degraded:
-    <why>" while its backend is unreachable: the server still serves, recomputing, "disabled")."""
+    <why>" while its backend is unreachable or its LMDB path cannot be opened: the server still
+    serves, recomputing, "disabled")."""
     tm = tm_of(request)
     if not tm.alive:
         return error_response(503, tm.dead_reason or "scheduler process is not running", code="service_unavailable")

@@ -4,7 +4,8 @@
   the outputs of an uncached engine.
 - Prefetch policies against a slow backend: best_effort does not wait, wait_complete gets every
   page, timeout gives up after its allowance; an abort in the middle of a fetch frees its pages.
-- Faults: a backend that raises, a corrupt value, a full backup queue: counted, outputs unchanged.
+- Faults: a backend that raises, a corrupt value, a full backup queue, an LMDB path that cannot be
+  opened (degraded): counted, outputs unchanged.
 - check_integrity() after every step (prefetch-held host pages and backup pins included).
 """
 from __future__ import annotations
@@ -153,6 +154,21 @@ def test_backups_after_splits_land_under_the_keys_a_restart_queries(tiny_config_
         {"device": 20, "host": 0, "storage": 68}]
     settle(second)
     second.close()
+
+
+def test_an_lmdb_path_that_cannot_be_opened_serves_without_storage(tiny_config_path, reference, tmp_path):
+    path = tmp_path / "lmdb"
+    path.write_bytes(b"a file where the folder should be")
+    ps = prompts(3)
+    sched = l3_scheduler(tiny_config_path, path=str(path))
+    out = run_each(sched, ps, "a")
+    settle(sched)
+    assert [o for o, _ in out] == reference(ps)
+    assert [m["cached_tokens_details"]["storage"] for _, m in out] == [0, 0, 0]
+    storage = sched.stats()["tiers"]["storage"]
+    assert storage["degraded"] and storage["status"].startswith(f"degraded: cannot open {path}: FileExistsError")
+    assert storage["errors"] >= 3 + 3 and storage["backed_up_tokens"] == 0  # 3 queries, 3+ backups
+    sched.close()
 
 
 def test_lmdb_filled_past_its_cap_evicts_and_serves(tiny_config_path, reference, tmp_path):

@@ -2,10 +2,13 @@
 
 Every backend passes the same contract test; then what is particular to each: LMDB survives a
 reopen, evicts least recently used pages past its size cap, survives a full map, and turns a
-flipped byte into a counted miss; Redis down at start-up is degraded and resumes when it returns.
+flipped byte into a counted miss; Redis down at start-up is degraded and resumes when it returns,
+and so does an LMDB path that cannot be opened (the worker counts misses, one warning).
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 
@@ -264,6 +267,65 @@ def test_worker_stops_a_fetch_at_the_first_miss_and_counts_failures(tmp_path):
     assert (fetch.ok, fetch.pages) == (False, 0) and "injected" in fetch.error
     assert (backup.ok, backup.pages) == (False, 0)
     assert w.stats()["errors"] == 2
+    w.close()
+
+
+def block(path, how: str) -> None:
+    """Makes `path` an LMDB path that cannot be opened."""
+    if how == "file":  # a file where the folder should be
+        path.write_bytes(b"not a folder")
+    elif how == "not_lmdb":
+        path.mkdir()
+        (path / "data.mdb").write_bytes(b"\x01" * 8192)
+    else:
+        path.mkdir()
+        path.chmod(0o500)
+
+
+def unblock(path, how: str) -> None:
+    if how == "file":
+        path.unlink()
+    elif how == "not_lmdb":
+        (path / "data.mdb").unlink()
+    else:
+        path.chmod(0o700)
+
+
+@pytest.mark.parametrize("how", ["file", "not_lmdb", "read_only"])
+def test_lmdb_path_that_cannot_be_opened_is_degraded_then_resumes(tmp_path, how, caplog):
+    if how == "read_only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    path = tmp_path / "lmdb"
+    block(path, how)
+    pool = host_pool("page_first")
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        backend = lmdb_backend(path)
+        assert backend.status().startswith(f"degraded: cannot open {path}: ")
+        w = StorageWorker(backend, pool, batch_pages=2)
+        k = keys(3)
+        src = pool.allocator.alloc(12)
+        w.query(k)
+        w.fetch(k, pool.allocator.alloc(12))
+        w.backup(k, src)
+        query, fetch, backup = results(w, 3)
+        assert not (query.ok or fetch.ok or backup.ok) and query.pages == fetch.pages == backup.pages == 0
+        assert w.stats()["errors"] == 3 and w.stats()["used_bytes"] == 0
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0] and "cannot open" in warnings[0], warnings
+
+        unblock(path, how)
+        end = time.monotonic() + 10
+        while backend.status() != "ok" and time.monotonic() < end:  # the idle worker's probe reopens it
+            time.sleep(0.1)
+        assert backend.status() == "ok"
+    pool.buffer.copy_(torch.randn(pool.buffer.shape))
+    w.backup(k, src)
+    assert results(w, 1)[0].pages == 3
+    into = pool.allocator.alloc(12)
+    w.fetch(k, into)
+    assert results(w, 1)[0].pages == 3
+    for i in range(3):
+        assert torch.equal(pool.page(int(into[4 * i])), pool.page(int(src[4 * i])))
     w.close()
 
 

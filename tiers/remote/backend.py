@@ -12,6 +12,11 @@ from hicache.tiers.remote.framing import CorruptValue, decode_into
 logger = logging.getLogger(__name__)
 
 
+class BackendUnavailable(OSError):
+    """Raised by an operation of a degraded backend that did not even try (e.g. an LMDB path that
+    cannot be opened); the worker counts it as an error like any other failure."""
+
+
 class BackendBase:
     """Counters (`gets`, `hit_pages`, `miss_pages`, `corrupt_pages`, `set_pages`, `bytes_read`,
     `bytes_written`, `errors`) and the ok / degraded status. Subclasses set `name`."""
@@ -32,6 +37,7 @@ class BackendBase:
             return dict(self._counters)
 
     def status(self) -> str:
+        """"ok", or "degraded: <reason>" (reads are misses and writes dropped until it clears)."""
         reason = self._degraded
         return "ok" if reason is None else f"degraded: {reason}"
 
@@ -45,7 +51,8 @@ class BackendBase:
         self._degraded = reason
 
     def probe(self) -> None:
-        """Re-checks a degraded backend (default: nothing to check)."""
+        """Re-checks a degraded backend, clearing `status()` once it works again (default: nothing
+        to check). The I/O worker calls it about once a second while the backend is degraded."""
 
     def fill(self, keys: list[str], values: list, pages: list[torch.Tensor]) -> list[bool]:
         """Decodes `values` (None: absent) into `pages`. A corrupt value is a counted miss and is

@@ -13,6 +13,12 @@ are dropped and counted, never raised into the server.
 
 Two engines of one process on the same path share the environment (LMDB allows one per process);
 several processes share it through LMDB's own locking.
+
+A path that cannot be opened (a file where the folder should be, no permission, not an LMDB
+file) does not stop the server: the backend is degraded like a Redis that is down (the reason,
+naming the path and the OS error, is logged once; every operation fails fast, so reads are
+counted misses and writes are dropped), and it retries the open at most once a second (on the
+worker's idle probe or on the next operation), then storage resumes.
 """
 from __future__ import annotations
 
@@ -27,13 +33,14 @@ import time
 import lmdb
 import torch
 
-from hicache.tiers.remote.backend import BackendBase
+from hicache.tiers.remote.backend import BackendBase, BackendUnavailable
 from hicache.tiers.remote.framing import encode
 
 logger = logging.getLogger(__name__)
 
 GB = 10**9
 LOW_WATERMARK = 0.9  # eviction goes down to this fraction of the cap
+REOPEN_INTERVAL_S = 1.0  # a path that could not be opened is tried again at most this often
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # last access ns, value bytes
 _BYTES = b"bytes"
@@ -47,10 +54,14 @@ class _Env:
         self.path, self.size_cap, self.refs = path, size_cap, 0
         self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=True, sync=sync, metasync=sync,
                              max_readers=256)
-        self.pages = self.env.open_db(b"pages")
-        self.atime = self.env.open_db(b"atime")
-        self.lru = self.env.open_db(b"lru")
-        self.meta = self.env.open_db(b"meta")
+        try:
+            self.pages = self.env.open_db(b"pages")
+            self.atime = self.env.open_db(b"atime")
+            self.lru = self.env.open_db(b"lru")
+            self.meta = self.env.open_db(b"meta")
+        except lmdb.Error:
+            self.env.close()
+            raise
         self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hicache-lmdb-writer", daemon=True)
@@ -215,7 +226,8 @@ def _close(env: _Env) -> None:
 
 
 class LmdbBackend(BackendBase):
-    """`StorageBackend` on an LMDB environment at `path`; keys are prefixed with the namespace id."""
+    """`StorageBackend` on an LMDB environment at `path`; keys are prefixed with the namespace id.
+    Degraded (not raising) while `path` cannot be opened; see the module docstring."""
 
     name = "lmdb"
 
@@ -227,15 +239,47 @@ class LmdbBackend(BackendBase):
         cap = int(size_cap_gb * GB)
         map_size = int(map_size_gb * GB) if map_size_gb else int(cap * 1.25) + (64 << 20)  # room for the B-trees
         self._ns = bytes.fromhex(namespace)[:8]
-        self._env = _open(path, map_size, cap, sync)
-        self.path = self._env.path
+        self.path, self._cap, self._open_args = str(path), cap, (map_size, cap, sync)
+        self._env: _Env | None = None
+        self._opening = threading.Lock()
+        self._tried = 0.0  # monotonic time of the last open attempt
         self._closed = False
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """One attempt to open the environment (callers hold `_opening` or are the constructor)."""
+        self._tried = time.monotonic()
+        try:
+            env = _open(self.path, *self._open_args)
+        except (OSError, lmdb.Error) as e:
+            self.set_degraded(f"cannot open {self.path}: {type(e).__name__}: {e}")
+            return
+        self._env, self.path = env, env.path
+        self.set_degraded(None)
+
+    def _ready(self) -> _Env:
+        """The environment, or BackendUnavailable (retrying the open at most once a second)."""
+        env = self._env
+        if env is None:
+            with self._opening:
+                if self._env is None and not self._closed and time.monotonic() - self._tried >= REOPEN_INTERVAL_S:
+                    self._reopen()
+                env = self._env
+            if env is None:
+                raise BackendUnavailable(self.status())
+        return env
+
+    def probe(self) -> None:
+        try:
+            self._ready()
+        except BackendUnavailable:
+            pass
 
     def _key(self, key: str) -> bytes:
         return self._ns + bytes.fromhex(key)
 
     def batch_exists(self, keys: list[str]) -> int:
-        e = self._env
+        e = self._ready()
         with e.env.begin(db=e.pages, buffers=True) as txn:
             for i, key in enumerate(keys):
                 if txn.get(self._key(key)) is None:
@@ -243,7 +287,7 @@ class LmdbBackend(BackendBase):
         return len(keys)
 
     def batch_get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        e = self._env
+        e = self._ready()
         raw = [self._key(k) for k in keys]
         with e.env.begin(db=e.pages, buffers=True) as txn:  # buffers point into the map: decode inside
             ok = self.fill(keys, [txn.get(k) for k in raw], pages)
@@ -253,22 +297,31 @@ class LmdbBackend(BackendBase):
         return ok
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
+        e = self._ready()
         items = [(self._key(k), encode(p)) for k, p in zip(keys, pages)]
-        written, nbytes = self._env.submit(self._env.put, items).result()
+        written, nbytes = e.submit(e.put, items).result()
         self.count(set_pages=written, bytes_written=nbytes)
         return written
 
     def delete(self, keys: list[str]) -> None:
-        self._env.submit(self._env.delete, [self._key(k) for k in keys]).result()
+        e = self._ready()
+        e.submit(e.delete, [self._key(k) for k in keys]).result()
 
     def clear(self) -> None:
-        self._env.submit(self._env.clear, self._ns).result()
+        e = self._ready()
+        e.submit(e.clear, self._ns).result()
 
     def stats(self) -> dict:
         e = self._env
+        if e is None:
+            return dict(super().stats(), used_bytes=0, capacity_bytes=self._cap)
         return dict(super().stats(), used_bytes=e.used_bytes(), capacity_bytes=e.size_cap, **e.counters)
 
     def close(self) -> None:
-        if not self._closed:
+        with self._opening:
+            if self._closed:
+                return
             self._closed = True
-            _close(self._env)
+            env, self._env = self._env, None
+        if env is not None:
+            _close(env)

@@ -5,7 +5,9 @@ arrival order, `backup` runs backups. Threads touch bytes only (host pages the s
 or pinned for them, and the backend); results go back through `poll()`. Any exception of the
 backend is caught, logged and counted (`errors`) and ends its operation: a failed read is a miss
 (only the pages that landed before it count), a failed write is dropped. While the backend is
-degraded, idle threads probe it once a second (a healthy one costs no wake-ups).
+degraded (Redis down, an LMDB path that cannot be opened), idle threads probe it once a second (a
+healthy one costs no wake-ups) and its failures are counted without a warning each (the backend
+logged why when it became degraded).
 """
 from __future__ import annotations
 
@@ -146,7 +148,9 @@ class StorageWorker:
             else:
                 res = getattr(self, "_" + op.kind)(op)
         except Exception as e:  # a backend failure is a miss / a dropped write, never a crash
-            logger.warning("L3 %s of %d pages failed: %r", op.kind, len(op.keys), e)
+            # a degraded backend has logged its reason once (set_degraded): no warning per operation
+            log = logger.warning if self.backend.status() == "ok" else logger.debug
+            log("L3 %s of %d pages failed: %r", op.kind, len(op.keys), e)
             res = StorageResult(op.ticket, op.kind, False, self._progress.get(op.ticket, 0) if op.kind == "fetch" else 0,
                                 error=repr(e))
             self._count(errors=1)
