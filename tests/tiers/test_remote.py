@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -84,6 +85,20 @@ def test_framing_round_trip_and_every_mismatch_is_caught(dtype):
         decode_into(value[:-1], out)
     with pytest.raises(CorruptValue):
         decode_into(value, torch.empty(SHAPE, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_a_read_only_value_warns_nothing_and_leaves_it_intact(dtype):
+    page = pages(1, dtype=dtype)[0]
+    value = encode(page)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "The given buffer is not writable"
+        for out in (torch.empty_like(page), torch.zeros(SHAPE[:2] + (8,) + SHAPE[3:], dtype=dtype)[:, :, 2:6],
+                    torch.empty(SHAPE[:3] + SHAPE[:2:-1], dtype=dtype).transpose(-1, -2)):  # no byte view: copied
+            decode_into(memoryview(value), out)
+            assert torch.equal(out, page)
+            out.zero_()
+    assert value == encode(page)
 
 
 # ---- the backend contract -----------------------------------------------------------------

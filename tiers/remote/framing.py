@@ -8,9 +8,9 @@ mismatch, before copying a byte.
 from __future__ import annotations
 
 import struct
-import warnings
 import zlib
 
+import numpy as np
 import torch
 
 MAGIC = b"HKV"
@@ -18,9 +18,6 @@ VERSION = 1
 _HEADER = struct.Struct("<3sBHH6IQI4x")
 HEADER_SIZE = _HEADER.size
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.uint8: 5, torch.int8: 6}
-
-# decode_into only reads the (read-only) value buffer; torch warns about any read-only buffer
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 class CorruptValue(ValueError):
@@ -53,7 +50,21 @@ def decode_into(value, page: torch.Tensor) -> None:
         raise CorruptValue(f"payload of {len(payload)} bytes, header says {length}")
     if zlib.crc32(payload) != crc:
         raise CorruptValue("checksum mismatch")
-    page.copy_(torch.frombuffer(payload, dtype=page.dtype).view(page.shape))
+    _copy_bytes(payload, page)
+
+
+def _copy_bytes(payload: memoryview, page: torch.Tensor) -> None:
+    """One copy of the row-major bytes `payload` into `page` (a host page, contiguous or strided).
+    The payload is often read-only (bytes, a buffer into LMDB's map): numpy views it as it is,
+    where `torch.frombuffer` warns that its tensor over a read-only buffer is writable; the page is
+    written through a numpy view of its bytes. Other pages take an extra copy of the payload."""
+    src = np.frombuffer(payload, dtype=np.uint8)
+    try:
+        dst = page.view(torch.uint8).numpy()  # [..., last dim * element size], the page's strides
+    except (RuntimeError, TypeError):  # no numpy byte view: a device page, a last dim with stride > 1
+        page.copy_(torch.frombuffer(bytearray(payload), dtype=page.dtype).view(page.shape))
+        return
+    np.copyto(dst, src.reshape(dst.shape))
 
 
 def value_size(page: torch.Tensor) -> int:
