@@ -16,6 +16,7 @@ import time
 import torch
 
 from hicache.runtime.batch import ForwardBatch
+from hicache.runtime.pinned import tensor_to
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,20 @@ class DecodeGraphs:
             self.logits[bs] = self._forward(bs)
         self.graphs[bs] = graph
 
-    def run(self, ids: list[int], rows: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """Decode one token for each of n <= max_batch requests: logits [n, vocab] float32."""
-        n = len(ids)
+    def run(self, ids: list[int] | torch.Tensor, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """Decode one token for each of n <= max_batch requests: logits [n, vocab] float32. `ids`
+        may be a [n] int64 device tensor (the previous step's samples). No host sync: the inputs
+        are copied from pinned memory, or from the device."""
+        n = len(rows)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = bs - n
-        packed = torch.tensor([ids + ids[:1] * pad, rows + rows[:1] * pad, seq_lens + seq_lens[:1] * pad])
-        self.inputs[:, :bs].copy_(packed)
+        host = [rows + rows[:1] * pad, seq_lens + seq_lens[:1] * pad]
+        if isinstance(ids, torch.Tensor):
+            self.inputs[0, :n].copy_(ids)
+            if pad:
+                self.inputs[0, n:bs].copy_(ids[:1].expand(pad))
+            self.inputs[1:, :bs].copy_(tensor_to(host, self.inputs.device))
+        else:
+            self.inputs[:, :bs].copy_(tensor_to([ids + ids[:1] * pad] + host, self.inputs.device))
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -4,11 +4,14 @@ It never decides admission or eviction; it reads the request-to-token table the 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hicache.runtime.attention import AutoAttention, TritonAttention
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
-from hicache.runtime.sampler import Sampler
+from hicache.runtime.pinned import tensor_to, to_device
+from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 
@@ -35,56 +38,102 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, self.device, max_batch,
                             lambda bs, max_len: impl.splits_for(bs, hkv, max_len, self.device))
 
-    @torch.inference_mode()
     def run(self, plan: BatchPlan) -> StepOutput:
+        """Runs the plan and waits for its tokens."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> PendingStep:
+        """Queues the forward pass and the sampling; the tokens reach the host in `result()`."""
+        rows, logits = self.forward(plan, input_ids)
+        return self.sample(plan, rows, logits)
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """Queues the forward pass (no host sync on CUDA, but for a load-back's first wait). Returns
+        the plan's rows that sample and their logits [len(rows), V] float32 on the device (with a
+        CUDA graph: a view valid until the next forward). `input_ids` [N] int64 on the device, for
+        a decode plan only: the token each request computes, instead of `req.all_ids[start]` (the
+        previous step's samples, before the host has them)."""
+        rows = [i for i, s in enumerate(plan.sample) if s]
         if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
             if plan.kv_wait is not None:  # a graph reads every layer: wait for whole load-backs
                 plan.kv_wait(None)
-            logits = self.graphs.run([r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)],
-                                     [r.row for r in plan.reqs], [s + 1 for s in plan.starts])
-            rows = [i for i, s in enumerate(plan.sample) if s]
-            return self._sample(plan, rows, logits[rows])
-        input_ids, positions, batch = self._prepare(plan)
-        hidden = self.model(input_ids, positions, batch)
+            ids = input_ids if input_ids is not None else [r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)]
+            logits = self.graphs.run(ids, [r.row for r in plan.reqs], [s + 1 for s in plan.starts])
+            return rows, _take_rows(logits, rows)
+        ids, positions, batch = self._prepare(plan, input_ids)
+        hidden = self.model(ids, positions, batch)
         if plan.kv_wait is not None:  # what follows on the compute stream comes after the whole load
             plan.kv_wait(None)
-        rows = [i for i, s in enumerate(plan.sample) if s]
         if not rows:
-            return StepOutput([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
-        ends = torch.tensor(plan.extend_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends[rows]])
-        return self._sample(plan, rows, logits)
+            return rows, None
+        ends = list(itertools.accumulate(plan.extend_lens))
+        return rows, self.model.compute_logits(_take_rows(hidden, [ends[i] - 1 for i in rows]))
 
-    def _prepare(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        ids, pos, locs, token_slots = [], [], [], []
+    def _prepare(self, plan: BatchPlan, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        ids, locs, token_slots = [], [], []
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
-            ids.extend(req.all_ids[start:start + n])
-            pos.append(torch.arange(start, start + n))
+            if input_ids is None:
+                ids.extend(req.all_ids[start:start + n])
             slots = self.req_table.read(req.row, start + n)
             locs.append(slots[start:])
             token_slots.append(slots)
         batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
                              wait_kv=plan.kv_wait)
         lens = torch.tensor(plan.extend_lens)
-        meta = torch.stack([torch.tensor([r.row for r in plan.reqs]), torch.tensor(plan.starts), lens,
-                            lens.cumsum(0) - lens]).to(self.device, non_blocking=True)  # one copy
+        starts = torch.tensor(plan.starts)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(plan.starts, plan.extend_lens)])
+        meta = to_device(torch.cat([torch.tensor([r.row for r in plan.reqs]), starts, lens, lens.cumsum(0) - lens,
+                                    positions] + ([] if input_ids is not None else [torch.tensor(ids)])),
+                         self.device)  # one copy
+        n, total = len(plan.reqs), positions.numel()
         batch.req_to_token = self.req_table.table
-        batch.req_rows, batch.prefix_lens, batch.extend_lens_dev, batch.q_starts = meta.unbind(0)
+        batch.req_rows, batch.prefix_lens, batch.extend_lens_dev, batch.q_starts = meta[:4 * n].view(4, n).unbind(0)
         batch.max_extend = max(plan.extend_lens)
         batch.max_seq_len = max(s + n for s, n in zip(plan.starts, plan.extend_lens))
         if plan.mode == "decode":
             batch.seq_lens = batch.prefix_lens + 1
             batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, torch.cat(pos).to(self.device), batch
+        ids_dev = input_ids if input_ids is not None else meta[4 * n + total:]
+        return ids_dev, meta[4 * n:4 * n + total], batch
 
-    def _sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor) -> StepOutput:
+    def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None) -> PendingStep:
+        """Queues the sampling of `rows` (from `forward`); reads the requests' history on the host."""
+        if not rows:
+            return PendingStep(len(plan.reqs), rows, None)
         reqs = [plan.reqs[i] for i in rows]
-        res = self.sampler.sample(
-            logits, [r.params for r in reqs], [r.generator for r in reqs],
-            [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-            [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
-        out = StepOutput([None] * len(plan.reqs), [None] * len(plan.reqs), [None] * len(plan.reqs))
-        for j, i in enumerate(rows):
+        with torch.inference_mode():
+            pending = self.sampler.launch(
+                logits, [r.params for r in reqs], [r.generator for r in reqs],
+                [r.input_ids for r in reqs], [r.output_ids for r in reqs],
+                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
+        return PendingStep(len(plan.reqs), rows, pending)
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] (rows ascending), without an index copy when they are all of t's rows."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t[tensor_to(rows, t.device)]
+
+
+class PendingStep:
+    """A launched step: the sampled tokens of the sampling rows on the device at once
+    (`next_ids`, [len(rows)] int64), the plan's `StepOutput` once `result()` has waited for them."""
+
+    def __init__(self, num_reqs: int, rows: list[int], pending: PendingSample | None):
+        self.num_reqs, self.rows, self.pending = num_reqs, rows, pending
+
+    @property
+    def next_ids(self) -> torch.Tensor | None:
+        return None if self.pending is None else self.pending.next_ids
+
+    def result(self) -> StepOutput:
+        n = self.num_reqs
+        out = StepOutput([None] * n, [None] * n, [None] * n)
+        if self.pending is None:
+            return out
+        res = self.pending.result()
+        for j, i in enumerate(self.rows):
             out.next_ids[i], out.logprobs[i], out.top_logprobs[i] = res.next_ids[j], res.logprobs[j], res.top_logprobs[j]
         return out

@@ -31,6 +31,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from hicache.runtime.pinned import HostCopy, tensor_to, to_device
 from hicache.runtime.sampling import SamplingParams
 
 # Rows with top_p but no top_k first try the cut inside their best this-many tokens.
@@ -62,15 +63,25 @@ def make_generator(seed: int | None, fallback_seed: int,
 class Sampler:
     """Batched sampler. See the module docstring for the semantics."""
 
-    def sample(self,
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
+               output_ids: Sequence[Sequence[int]], top_logprobs_num: Sequence[int],
+               return_logprob: Sequence[bool] | None = None) -> SampleResult:
+        """`launch(...).result()`: the host waits for the tokens."""
+        return self.launch(logits, params, generators, prompt_ids, output_ids, top_logprobs_num,
+                           return_logprob).result()
+
+    def launch(self,
                logits: torch.Tensor,  # [B, V] float32, any device
                params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None],  # per request; None for greedy
                prompt_ids: Sequence[Sequence[int]],
                output_ids: Sequence[Sequence[int]],
                top_logprobs_num: Sequence[int],
-               return_logprob: Sequence[bool] | None = None) -> SampleResult:
-        """Pick one token per row. `logits` is not modified.
+               return_logprob: Sequence[bool] | None = None) -> PendingSample:
+        """Pick one token per row. `logits` is not modified. The tokens stay on the device
+        (`PendingSample.next_ids`) and are copied to the host without waiting: `result()` waits.
+        Greedy rows queue no host sync; top_p without top_k and presence penalties sync inside.
 
         `logprobs[i]` is the log-prob of the chosen token under log_softmax of the unmodified
         logits (not of the penalized / tempered / filtered distribution it was drawn from); it is
@@ -92,17 +103,47 @@ class Sampler:
             _put(next_ids, sampled, _sample_rows(_take(scores, sampled), [params[i] for i in sampled],
                                                  [generators[i] for i in sampled]))
 
-        ids = next_ids.tolist()
         want = [True] * batch if return_logprob is None else [bool(w) for w in return_logprob]
-        logprobs, tops = _raw_logprobs(raw, ids, want, top_logprobs_num)
-        return SampleResult(ids, logprobs, tops)
+        return PendingSample(next_ids, *_raw_logprobs(raw, next_ids, want, top_logprobs_num))
+
+
+class PendingSample:
+    """A batch's sampled tokens: on the device at once (`next_ids`, what the next decode step can
+    read before the host has them), on the host after `result()`."""
+
+    def __init__(self, next_ids: torch.Tensor, rows: list[int], top_nums: list[int],
+                 chosen: torch.Tensor | None, top_vals: torch.Tensor | None, top_idx: torch.Tensor | None):
+        self.next_ids = next_ids  # [B] int64, device
+        self._rows, self._top_nums = rows, top_nums  # the rows with log-probs, and their top-n
+        self._copy = HostCopy([next_ids, chosen, top_vals, top_idx])
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        """Waits for the copies (once); the lists of `SampleResult`."""
+        if self._result is None:
+            self._result = self._lists(*self._copy.wait())
+        return self._result
+
+    def _lists(self, ids, chosen, vals, idx) -> SampleResult:
+        batch = ids.shape[0]
+        logprobs: list[float | None] = [None] * batch
+        tops: list[list[tuple[int, float]] | None] = [None] * batch
+        if self._rows:
+            for i, v in zip(self._rows, chosen.tolist()):
+                logprobs[i] = v
+        if vals is not None:
+            vals, idx = vals.tolist(), idx.tolist()
+            for j, i in enumerate(self._rows):
+                n = min(self._top_nums[i], len(vals[j]))
+                tops[i] = list(zip(idx[j][:n], vals[j][:n])) if n > 0 else None
+        return SampleResult(ids.tolist(), logprobs, tops)
 
 
 # ---- row selection: skip the gather when a group is the whole batch -------------------------------
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return tensor_to(rows, device)
 
 
 def _whole(t: torch.Tensor, rows: list[int]) -> bool:
@@ -121,7 +162,7 @@ def _put(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return tensor_to(values, like.device, like.dtype)[:, None]
 
 
 # ---- penalties ------------------------------------------------------------------------------------
@@ -132,7 +173,7 @@ def _flat_ids(rows: list[int], seqs: list[Sequence[int]], vocab: int,
     """(flat indices into a [B, V] tensor of every (row, token) pair, the position in `rows` of each)."""
     parts = [torch.as_tensor(s, dtype=torch.long) + r * vocab for r, s in zip(rows, seqs)]
     which = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(s) for s in seqs]))
-    return torch.cat(parts).to(device), which.to(device)
+    return to_device(torch.cat(parts), device), to_device(which, device)
 
 
 def apply_penalties(raw: torch.Tensor,  # [B, V] float32
@@ -155,16 +196,13 @@ def apply_penalties(raw: torch.Tensor,  # [B, V] float32
     if rep:  # HF: gather, penalize, scatter back (duplicates write the same value)
         idx, which = _flat_ids(rep, [list(prompt_ids[i]) + list(output_ids[i]) for i in rep], vocab,
                                scores.device)
-        pen = torch.tensor([params[i].repetition_penalty for i in rep], dtype=scores.dtype,
-                           device=scores.device)[which]
+        pen = tensor_to([params[i].repetition_penalty for i in rep], scores.device, scores.dtype)[which]
         vals = flat_scores[idx]
         flat_scores[idx] = torch.where(vals < 0, vals * pen, vals / pen)
     if oai:  # OpenAI: every occurrence costs `frequency`, the first one also `presence`
         idx, which = _flat_ids(oai, [output_ids[i] for i in oai], vocab, scores.device)
-        freq = torch.tensor([params[i].frequency_penalty for i in oai], dtype=scores.dtype,
-                            device=scores.device)
-        pres = torch.tensor([params[i].presence_penalty for i in oai], dtype=scores.dtype,
-                            device=scores.device)
+        freq = tensor_to([params[i].frequency_penalty for i in oai], scores.device, scores.dtype)
+        pres = tensor_to([params[i].presence_penalty for i in oai], scores.device, scores.dtype)
         flat_scores.index_add_(0, idx, -freq[which])
         uniq, first = _unique_with_source(idx, which)
         flat_scores.index_add_(0, uniq, -pres[first])
@@ -281,7 +319,7 @@ def _candidate_group(scores: torch.Tensor, params: Sequence[SamplingParams], row
     truncated = [1 <= params[j].top_k < vocab or width == vocab for j in rows]
     lse = torch.logsumexp(vals, dim=-1, keepdim=True)
     if not all(truncated):
-        whole = torch.tensor(truncated, device=sub.device)[:, None]
+        whole = tensor_to(truncated, sub.device, torch.bool)[:, None]
         lse = torch.where(whole, lse, torch.logsumexp(sub / temps, dim=-1, keepdim=True))
     probs = (vals - lse).exp()
     keep, beyond = _top_p_keep(probs, [params[j].top_p for j in rows], truncated)
@@ -298,7 +336,7 @@ def _top_p_keep(probs: torch.Tensor, ps: list[float],
     """Keep mask [r, W] of descending candidate probs, and the rows whose cut is not inside."""
     if all(p >= 1.0 for p in ps):
         return torch.ones_like(probs, dtype=torch.bool), set()
-    whole = torch.tensor(truncated, device=probs.device)[:, None]
+    whole = tensor_to(truncated, probs.device, torch.bool)[:, None]
     outside = torch.where(whole, 0.0, (1.0 - probs.sum(dim=-1, keepdim=True)).clamp(min=0.0))
     suffix = probs.flip(-1).cumsum(dim=-1).flip(-1) + outside
     keep = suffix > (1.0 - _column(ps, suffix))
@@ -346,24 +384,19 @@ def _search(cdf: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 # ---- log-probs ------------------------------------------------------------------------------------
 
 
-def _raw_logprobs(raw: torch.Tensor, ids: list[int], want: list[bool],
-                  top_nums: Sequence[int]) -> tuple[list[float | None], list]:
+def _raw_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, want: list[bool], top_nums: Sequence[int]):
+    """(rows with log-probs, top-n per row, chosen log-prob [r], top-n values [r, n] and ids [r, n]),
+    on the device; the tensors are None where no row asks."""
     batch, vocab = raw.shape
     rows = [i for i in range(batch) if want[i] or top_nums[i] > 0]
-    logprobs: list[float | None] = [None] * batch
-    tops: list[list[tuple[int, float]] | None] = [None] * batch
+    nums = [int(n) for n in top_nums]
     if not rows:
-        return logprobs, tops
+        return rows, nums, None, None, None
     sub = _take(raw, rows)
     lse = torch.logsumexp(sub, dim=-1, keepdim=True)
-    chosen = sub.gather(1, torch.tensor([ids[i] for i in rows], device=raw.device)[:, None]) - lse
-    for i, v in zip(rows, chosen[:, 0].tolist()):
-        logprobs[i] = v
-    max_n = min(max(top_nums[i] for i in rows), vocab)
-    if max_n > 0:
-        vals, idx = sub.topk(max_n, dim=-1)
-        vals, idx = (vals - lse).tolist(), idx.tolist()
-        for j, i in enumerate(rows):
-            n = min(top_nums[i], vocab)
-            tops[i] = list(zip(idx[j][:n], vals[j][:n])) if n > 0 else None
-    return logprobs, tops
+    chosen = (sub.gather(1, _take(next_ids, rows)[:, None]) - lse)[:, 0]
+    max_n = min(max(nums[i] for i in rows), vocab)
+    if max_n <= 0:
+        return rows, nums, chosen, None, None
+    vals, idx = sub.topk(max_n, dim=-1)
+    return rows, nums, chosen, vals - lse, idx

@@ -29,7 +29,9 @@ class ReqToTokenTable:
         return len(self._free_rows)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+        if self.table.is_cuda and not slots.is_cuda:  # from pinned memory, without waiting for the queued kernels
+            slots = slots.pin_memory().to(self.table.device, non_blocking=True)
+        self.table[row, start:start + slots.numel()] = slots
 
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.table[row, :length]
