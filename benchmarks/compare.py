@@ -87,6 +87,7 @@ class Server:
     """A `hicache serve` process; its log goes to a file, shown if it fails."""
 
     def __init__(self, flags: list[str], log: Path, startup_timeout: float = 900):
+        start = time.monotonic()
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = log
         cmd = [*SERVER, "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning", *flags]
@@ -98,6 +99,7 @@ class Server:
                 self.stop()
                 raise RuntimeError(f"server failed to start: {' '.join(cmd)}\n{self.log_tail()}")
             time.sleep(0.5)
+        self.startup_s = time.monotonic() - start
 
     def _healthy(self) -> bool:
         try:
@@ -166,7 +168,9 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
                                 *([] if cfg.flush else ["--no-flush"])])
         cap = capacities(server.tiers())
         progress.console.print(f"[bold]{cfg.name}[/]: flags {' '.join(cfg.flags) or '(none)'}; capacity in tokens: "
-                               + ", ".join(f"{t} {n}" for t, n in cap.items()))
+                               + ", ".join(f"{t} {n}" for t, n in cap.items()) + f"; ready in {server.startup_s:.0f} s")
+        if args.prime_clients and cfg.flush:
+            prime(module, wl_argv, server, args.prime_clients, progress)
         workload = module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
         total = sum(workload.round_sizes.values())
         task = progress.add_task(cfg.name, total=total)
@@ -188,6 +192,18 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
     finally:
         server.stop()
     return result
+
+
+def prime(module, wl_argv: list[str], server: Server, clients: int, progress) -> None:
+    """Runs the workload with `clients` conversations of other tokens (another seed) and no JSON
+    line, so that one-time costs (Triton's JIT compiling each kernel specialisation the workload
+    reaches) fall outside the measured run; that run flushes the cache first."""
+    t0 = time.monotonic()
+    wl = module.parse_args([*wl_argv, "--url", server.url, "--log-file", "", "--seed", "1000",
+                            *(["--num-clients", str(clients)] if module is multiturn else ["--num-docs", str(clients)])])
+    workload = module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
+    asyncio.run(multiturn.run(wl, workload))
+    progress.console.print(f"primed with {clients} conversation(s) in {time.monotonic() - t0:.0f} s (not measured)")
 
 
 def l1_tokens(args, wl: argparse.Namespace) -> int:
@@ -258,6 +274,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--l3-config", default="{}",
                    help='more keys of the L3 configurations\' --hicache-storage-backend-extra-config, as JSON, '
                         'e.g. \'{"prefetch_threshold": 64}\'')
+    p.add_argument("--prime-clients", type=int, default=0,
+                   help="before each measured run (not L3-warm's), run the workload with this many conversations "
+                        "(documents) of other tokens on the same server, unmeasured: on a GPU, 1 keeps Triton's "
+                        "JIT compilation out of the figures")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: rewrite the table and plots from the latest line per configuration of NAME.jsonl")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
