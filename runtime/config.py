@@ -22,6 +22,8 @@ class RuntimeConfig:
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
     attention_backend: str = field(default="auto", metadata={"help": "Attention kernels: auto (triton on CUDA, torch on CPU), triton (CUDA) or torch (the reference path)."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton backend)."})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of decode step t+1 with the device's step t (overlap is on by default on CUDA)."})
+    enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 
     def __post_init__(self) -> None:
@@ -33,6 +35,8 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        if self.disable_overlap_schedule and self.enable_overlap_schedule:
+            raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:

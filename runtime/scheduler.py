@@ -2,7 +2,8 @@
 
 Only the thread that calls `step()` touches the scheduler, the tree and the pools. A step is
 `schedule()` (a BatchPlan: a prefill batch when prompts wait, else one decode token for every
-running request), `runner.run(plan)`, then `process_result(plan, output)`.
+running request), `runner.run(plan)`, then `process_result(plan, output)`; with overlap
+scheduling (runtime/overlap.py) the result of a step is applied during the next one.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.build import build
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest, TokenOutput
+from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.request import Req
 from hicache.runtime.sampler import make_generator
 from hicache.runtime.sampling import SamplingParams
@@ -44,6 +46,9 @@ class Scheduler:
         self.storage = self.cache.storage  # L3 prefetch and backup (None when off)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
                              retractions=0, requests_finished=0, requests_aborted=0)
+        overlap = self.rc.enable_overlap_schedule or (self.runner.device.type == "cuda"
+                                                      and not self.rc.disable_overlap_schedule)
+        self.overlap = OverlapLoop(self) if overlap else None  # runtime/overlap.py
 
     # ---- front-end calls -------------------------------------------------------------------
 
@@ -85,6 +90,8 @@ class Scheduler:
             self.storage.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
     def abort(self, rid: str) -> None:
+        if self.overlap is not None and self.overlap.holds(rid):
+            self.overlap.apply()  # its launched step first
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -97,9 +104,15 @@ class Scheduler:
                     return
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._outputs)
+        return bool(self.waiting or self.running or self._outputs
+                    or (self.overlap is not None and self.overlap.inflight is not None))
 
     def step(self) -> list[TokenOutput]:
+        """One step; with overlap, the outputs are those of the step launched by the call before."""
+        if self.overlap is not None:
+            self.overlap.step()
+            outs, self._outputs = self._outputs, []
+            return outs
         plan = self.schedule()
         if plan is not None:
             self.process_result(plan, self.runner.run(plan))
@@ -115,7 +128,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
-        if self.running or self.waiting:
+        if self.running or self.waiting or (self.overlap is not None and self.overlap.inflight is not None):
             return False
         return self.cache.flush()
 

@@ -20,9 +20,15 @@ class StopChecker:
         matched = self._stop_string(req)
         if matched is not None:
             return {"type": "stop", "matched": matched}
-        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= context_length:
+        if self.length_reached(req, context_length):
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+    @staticmethod
+    def length_reached(req: Req, context_length: int, pending: int = 0) -> bool:
+        """Whether req is at its length limit once `pending` more tokens are appended."""
+        return (len(req.output_ids) + pending >= req.params.max_new_tokens
+                or req.seq_len + pending >= context_length)
 
     def _stop_string(self, req: Req) -> str | None:
         stops = req.params.stop

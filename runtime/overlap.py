@@ -1,0 +1,129 @@
+"""Overlap scheduling: the host prepares step t+1 while the device runs step t.
+
+Without it a step is schedule -> run -> wait for the sampled ids -> apply, and the device idles
+while the host builds the batch, checks stops and emits. With it (`Scheduler.step` on CUDA unless
+`disable_overlap_schedule`; on CPU with `enable_overlap_schedule`, for the tests: no speedup there)
+a step's results are applied one `step()` later:
+
+- A step that follows a decode step of the whole running set, with nothing admittable waiting
+  (an empty queue, a full batch, or a queue the last `schedule()` could not admit from with no
+  arrival, finish, abort or retraction since), is the *continuation*: the same requests (less
+  those whose step-t token is their last by length) decode the next position, reading their
+  step-t tokens from the device (no host sync). Its forward pass is queued first; then step t's
+  results are applied (the host waits for step t's ids only: they were copied to pinned memory
+  behind an event); then the continuation samples, for the requests still running, with their
+  host-side history complete (penalties work; ids and log-probs go to the host together). A
+  request that finished at step t (stop token, stop string) had its next position computed too:
+  that KV slot lies past its `kv_len`, so its release frees it and no token of it is emitted.
+- Any other step drains: step t's results are applied, then `schedule()` plans as without
+  overlap (admission, chunked prefill, retraction, load-backs); that plan is launched and applied
+  at the next step. Prefill and load-back steps and a changing batch therefore cost one sync.
+- `abort` of a request in the launched step applies that step first.
+
+Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
+penalties (`torch.unique`), and a decode batch too large for the CUDA graphs (correct, less overlap).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from hicache.runtime.batch import BatchPlan
+from hicache.runtime.pinned import tensor_to
+from hicache.runtime.runner import PendingStep
+
+if TYPE_CHECKING:
+    from hicache.runtime.scheduler import Scheduler
+
+
+class Launched(NamedTuple):
+    plan: BatchPlan
+    step: PendingStep
+
+
+class OverlapLoop:
+    """Owned by the scheduler; runs on its thread."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.inflight: Launched | None = None  # launched, not applied
+        self._blocked_at: tuple | None = None  # queue state when schedule() last left requests waiting
+        self.continued = 0  # steps launched before the previous one was applied
+
+    def step(self) -> None:
+        prev, self.inflight = self.inflight, None
+        cont = self._continuation(prev) if prev is not None else None
+        if cont is not None:
+            plan, keep = cont
+            self.continued += 1
+            rows, logits = self.sched.runner.forward(plan, _gather(prev.step.next_ids, keep))
+        if prev is not None:
+            self.sched.process_result(prev.plan, prev.step.result())
+        if cont is not None:
+            plan, logits = self._still_running(plan, logits)
+            if plan.reqs:
+                self.inflight = Launched(plan, self.sched.runner.sample(plan, list(range(len(plan.reqs))), logits))
+            return
+        plan = self.sched.schedule()
+        self._blocked_at = self._queue_state() if self.sched.waiting and (plan is None or plan.mode == "decode") else None
+        if plan is not None:
+            self.inflight = Launched(plan, self.sched.runner.launch(plan))
+        elif prev is None and self.sched.storage is not None and self.sched.storage.waiting():
+            self.sched.storage.wait(0.01)  # nothing to run until L3 answers
+
+    def apply(self) -> None:
+        """Applies the launched step now (waits for its tokens)."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.sched.process_result(prev.plan, prev.step.result())
+
+    def holds(self, rid: str) -> bool:
+        return self.inflight is not None and any(r.rid == rid for r in self.inflight.plan.reqs)
+
+    # ---- the continuation -------------------------------------------------------------------
+
+    def _continuation(self, prev: Launched) -> tuple[BatchPlan, list[int]] | None:
+        """The decode step after `prev` for the same requests, planned before prev's tokens reach
+        the host, with the positions in prev of its requests; None when the batch would change."""
+        s, plan = self.sched, prev.plan
+        if plan.mode != "decode" or plan.kv_wait is not None or len(plan.reqs) != len(s.running):
+            return None  # kv_wait None: no request of the plan (= all running) waits on a load-back
+        if s.waiting and len(s.running) < s.rc.max_running_requests and not self._still_blocked():
+            return None  # admission may change the batch
+        s._poll_transfers()  # retracts only requests with load-backs in flight: none here
+        keep = [i for i, r in enumerate(plan.reqs) if not s.stop_checker.length_reached(r, s.context_length, 1)]
+        if not keep:
+            return None
+        for i in keep:  # slots for position start + 1; no retraction while a step is in flight
+            if not s._ensure_slots(plan.reqs[i], plan.starts[i] + 2):
+                return None
+        n = len(keep)
+        return BatchPlan("decode", [plan.reqs[i] for i in keep], [plan.starts[i] + 1 for i in keep], [1] * n,
+                         [True] * n), keep
+
+    def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, torch.Tensor]:
+        """The continuation less the requests that finished at the step before it."""
+        running = {id(r) for r in self.sched.running}
+        alive = [i for i, r in enumerate(plan.reqs) if id(r) in running]
+        if len(alive) == len(plan.reqs):
+            return plan, logits
+        kept = BatchPlan("decode", [plan.reqs[i] for i in alive], [plan.starts[i] for i in alive], [1] * len(alive),
+                         [True] * len(alive))
+        return kept, _gather(logits, alive)
+
+    def _queue_state(self) -> tuple:
+        c = self.sched.counters
+        return len(self.sched.waiting), c["requests_finished"], c["requests_aborted"], c["retractions"]
+
+    def _still_blocked(self) -> bool:
+        """Nothing could be admitted at the last schedule() and nothing changed since (no arrival,
+        finish, abort or retraction, no L3 prefetch pending): decoding on does not delay anyone."""
+        storage = self.sched.storage
+        return self._blocked_at == self._queue_state() and (storage is None or not storage.waiting())
+
+
+def _gather(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == t.shape[0]:
+        return t
+    return t[tensor_to(rows, t.device)]
