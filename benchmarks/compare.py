@@ -190,7 +190,9 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
         progress.console.print(f"[red]{cfg.name} failed[/]; server log tail:\n{server.log_tail()}")
         raise
     finally:
+        t0 = time.monotonic()
         server.stop()
+        progress.console.print(f"{cfg.name}: server stopped in {time.monotonic() - t0:.0f} s")
     return result
 
 
