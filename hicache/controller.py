@@ -279,6 +279,10 @@ class CacheController:
         self._ops[ticket] = op
         return ticket
 
+    def busy(self) -> bool:
+        """L1 <-> L2 copies or L3 operations in flight (folded in by `poll`)."""
+        return bool(self._ops) or (self.storage is not None and self.storage.busy())
+
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last
         poll: the scheduler must recompute (without caching their KV) the requests that waited on

@@ -69,8 +69,8 @@ class OverlapLoop:
         self._blocked_at = self._queue_state() if self.sched.waiting and (plan is None or plan.mode == "decode") else None
         if plan is not None:
             self.inflight = Launched(plan, self.sched.runner.launch(plan))
-        elif prev is None and self.sched.storage is not None and self.sched.storage.waiting():
-            self.sched.storage.wait(0.01)  # nothing to run until L3 answers
+        elif prev is None:
+            self.sched.idle_wait()
 
     def apply(self) -> None:
         """Applies the launched step now (waits for its tokens)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 
 import torch
 
@@ -103,9 +104,15 @@ class Scheduler:
                     self._finish(req, {"type": "abort"})
                     return
 
-    def has_work(self) -> bool:
+    def has_requests(self) -> bool:
+        """Requests to run, a step in flight or outputs to send."""
         return bool(self.waiting or self.running or self._outputs
                     or (self.overlap is not None and self.overlap.inflight is not None))
+
+    def has_work(self) -> bool:
+        """Requests, or tier copies / L3 operations in flight: an idle server keeps stepping until
+        they land, so that their pins and stats settle without waiting for the next request."""
+        return self.has_requests() or self.cache.busy()
 
     def step(self) -> list[TokenOutput]:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
@@ -116,10 +123,17 @@ class Scheduler:
         plan = self.schedule()
         if plan is not None:
             self.process_result(plan, self.runner.run(plan))
-        elif self.storage is not None and self.storage.waiting():  # nothing to run until L3 answers
-            self.storage.wait(0.01)
+        else:
+            self.idle_wait()
         outs, self._outputs = self._outputs, []
         return outs
+
+    def idle_wait(self) -> None:
+        """Nothing to run: wait a little for what may change that (L3 answers, tier copies)."""
+        if self.storage is not None and (self.storage.waiting() or self.storage.busy()):
+            self.storage.wait(0.01)
+        elif self.cache.busy():
+            time.sleep(0.001)
 
     def close(self) -> None:
         """Stops the L3 I/O threads (after their in-flight writes)."""
