@@ -171,7 +171,7 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
                                + ", ".join(f"{t} {n}" for t, n in cap.items()) + f"; ready in {server.startup_s:.0f} s")
         if args.prime_clients and cfg.flush:
             prime(module, wl_argv, server, args.prime_clients, progress)
-        workload = module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
+        workload = make_workload(module, wl)
         total = sum(workload.round_sizes.values())
         task = progress.add_task(cfg.name, total=total)
 
@@ -196,6 +196,10 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
     return result
 
 
+def make_workload(module, wl: argparse.Namespace):
+    return module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
+
+
 def prime(module, wl_argv: list[str], server: Server, clients: int, progress) -> None:
     """Runs the workload with `clients` conversations of other tokens (another seed) and no JSON
     line, so that one-time costs (Triton's JIT compiling each kernel specialisation the workload
@@ -203,7 +207,7 @@ def prime(module, wl_argv: list[str], server: Server, clients: int, progress) ->
     t0 = time.monotonic()
     wl = module.parse_args([*wl_argv, "--url", server.url, "--log-file", "", "--seed", "1000",
                             *(["--num-clients", str(clients)] if module is multiturn else ["--num-docs", str(clients)])])
-    workload = module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
+    workload = make_workload(module, wl)
     asyncio.run(multiturn.run(wl, workload))
     progress.console.print(f"primed with {clients} conversation(s) in {time.monotonic() - t0:.0f} s (not measured)")
 

@@ -104,10 +104,12 @@ class Scheduler:
                     self._finish(req, {"type": "abort"})
                     return
 
+    def _step_in_flight(self) -> bool:
+        return self.overlap is not None and self.overlap.inflight is not None
+
     def has_requests(self) -> bool:
         """Requests to run, a step in flight or outputs to send."""
-        return bool(self.waiting or self.running or self._outputs
-                    or (self.overlap is not None and self.overlap.inflight is not None))
+        return bool(self.waiting or self.running or self._outputs or self._step_in_flight())
 
     def has_work(self) -> bool:
         """Requests, or tier copies / L3 operations in flight: an idle server keeps stepping until
@@ -118,10 +120,7 @@ class Scheduler:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
         if self.overlap is not None:
             self.overlap.step()
-            outs, self._outputs = self._outputs, []
-            return outs
-        plan = self.schedule()
-        if plan is not None:
+        elif (plan := self.schedule()) is not None:
             self.process_result(plan, self.runner.run(plan))
         else:
             self.idle_wait()
@@ -142,7 +141,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
-        if self.running or self.waiting or (self.overlap is not None and self.overlap.inflight is not None):
+        if self.running or self.waiting or self._step_in_flight():
             return False
         return self.cache.flush()
 
