@@ -283,11 +283,19 @@ class CacheController:
         """L1 <-> L2 copies or L3 operations in flight (folded in by `poll`)."""
         return bool(self._ops) or (self.storage is not None and self.storage.busy())
 
+    def start_loads(self) -> None:
+        """Starts the load-backs submitted so far: an engine may hold them back so that one batch's
+        loads are queued together, layer by layer (the scheduler calls this once its plan is made)."""
+        start = getattr(self.transfer, "start_loads", None)
+        if start is not None:
+            start()
+
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last
         poll: the scheduler must recompute (without caching their KV) the requests that waited on
         them, then call `drop_stale()`."""
         self.drop_stale()
+        self.start_loads()
         self._collect()
         if self.storage is not None:
             self.storage.poll()

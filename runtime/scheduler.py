@@ -154,6 +154,7 @@ class Scheduler:
         if tickets:  # load-backs in flight (or failed, unreported): each layer's attention waits for its
             # own layer, on the device; process_result settles them before any token goes out
             plan.kv_wait = self.cache.layer_waiter(tickets)
+            self.cache.start_loads()  # now that the batch is known: its loads go together
             plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
                                if r.wait_tickets and s and r.generator is not None}
         return plan

@@ -5,6 +5,8 @@ in bf16 and under 1e-4 in fp32. The reference runs in fp32 on the same (rounded)
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -203,15 +205,13 @@ def test_launchers_reject_bad_arguments():
         copy_kv(torch.zeros(2, 1, 16, 2, 64, pin_memory=True), "layer_first", ptrs, one, one, range(1), False)
 
 
-def test_transfer_engine_load_waits_per_layer():
-    """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
-    next after layer i of the load alone (what the forward pass does before layer i's attention).
-    The pages are scattered; the Triton gather kernel copies them."""
+def transfer_engine(layers: int, n: int):
+    """A Triton-kernel transfer engine over a zeroed device pool and a random pinned host pool."""
     from hicache.tiers.gpu.pool import DeviceKVPool
     from hicache.tiers.host.pool import HostKVPool
     from hicache.tiers.host.transfer import HostTransferEngine
 
-    layers, hkv, d, n = 8, 8, 128, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
+    hkv, d = 8, 128
     dev = DeviceKVPool(n, 64, layers, hkv, d, torch.bfloat16, DEV)
     host = HostKVPool(n, 64, layers, hkv, d, torch.bfloat16, "layer_first", pin=True)
     host.buffer.copy_(torch.randn(host.buffer.shape, generator=fresh_gen(), device=DEV, dtype=torch.bfloat16).cpu())
@@ -219,8 +219,20 @@ def test_transfer_engine_load_waits_per_layer():
         dev.k_buffer(i).zero_()
         dev.v_buffer(i).zero_()
     torch.cuda.synchronize()
-    eng = HostTransferEngine(dev, host, "kernel")
-    slots, dst = torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1), torch.arange(n)
+    return HostTransferEngine(dev, host, "kernel"), dev, host
+
+
+def scattered_pages(n: int) -> torch.Tensor:
+    return torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1)
+
+
+def test_transfer_engine_load_waits_per_layer():
+    """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
+    next after layer i of the load alone (what the forward pass does before layer i's attention).
+    The pages are scattered; the Triton gather kernel copies them."""
+    layers, n = 8, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
+    eng, dev, host = transfer_engine(layers, n)
+    slots, dst = scattered_pages(n), torch.arange(n)
     ticket = eng.load(slots, dst)
     free = torch.cuda.Event()
     free.record()
@@ -237,3 +249,50 @@ def test_transfer_engine_load_waits_per_layer():
     res = eng.poll()
     assert [(r.ticket, r.ok) for r in res] == [(ticket, True)]
     eng.wait_layer(ticket, 0)  # finished: nothing to wait for
+
+
+def test_transfer_engine_batches_loads_layer_by_layer():
+    """The loads of one batch's requests are queued together, layer by layer: layer i of every
+    load is copied before layer i + 1 of any, so that the batch's layer 0 does not wait for whole
+    loads queued one after another. Each load's pages land where it asked, layer by layer."""
+    layers, n = 4, 8192
+    eng, dev, host = transfer_engine(layers, n)
+    slots, dst = scattered_pages(n), torch.randperm(n)
+    order, loads = [], []
+    for part in range(3):  # three requests' loads of different lengths
+        lo, hi = [0, 1024, 4096, n][part], [0, 1024, 4096, n][part + 1]
+        ticket = eng.load(slots[lo:hi], dst[lo:hi], on_layer=lambda i, part=part: order.append((i, part)))
+        loads.append((ticket, slots[lo:hi], dst[lo:hi]))
+    snaps = []
+    for i in range(layers):
+        for ticket, _, _ in loads:
+            eng.wait_layer(ticket, i)
+        snaps.append((dev.k_buffer(i).clone(), dev.v_buffer(i).clone()))
+    assert order == [(i, part) for i in range(layers) for part in range(3)]
+    torch.cuda.synchronize()
+    for i, (k, v) in enumerate(snaps):
+        for _, src, to in loads:
+            hk, hv = host.get_layer(i, src)
+            assert torch.equal(k[to].cpu(), hk) and torch.equal(v[to].cpu(), hv), f"layer {i} read before it landed"
+    eng.synchronize(loads[-1][0])
+    assert sorted(r.ticket for r in eng.poll() if r.ok) == sorted(t for t, _, _ in loads)
+
+
+def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for():
+    """A load is deferred until a forward pass waits for it; poll() alone never starts it (the
+    loads of one batch go together), start_loads() does (the scheduler calls it once a step)."""
+    layers, n = 2, 1024
+    eng, dev, host = transfer_engine(layers, n)
+    slots, dst = scattered_pages(n), torch.arange(n)
+    ticket = eng.load(slots, dst)
+    torch.cuda.synchronize()
+    assert eng.poll() == [] and eng.in_flight() == 1
+    eng.start_loads()
+    deadline = time.monotonic() + 10
+    done = []
+    while not done and time.monotonic() < deadline:
+        done = eng.poll()
+    assert [(r.ticket, r.ok) for r in done] == [(ticket, True)]
+    for i in range(layers):
+        hk, hv = host.get_layer(i, slots)
+        assert torch.equal(dev.k_buffer(i)[dst].cpu(), hk) and torch.equal(dev.v_buffer(i)[dst].cpu(), hv)

@@ -5,7 +5,12 @@ On CPU a copy runs inside `backup` / `load` (torch index copies) and its result 
 work already queued on the compute stream, and `poll()` reports a ticket once its finish event has
 fired. A load records one event per layer and the compute stream does not wait for it as a whole:
 the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` before layer i's
-attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
+attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. Loads are
+held back until `start_loads()` (the scheduler calls it once its batch is made) and then queued
+together, one copy per layer for all of them: had each request's load been queued whole, one after
+another, a batch's layer 0 would wait for every load but the last. Slot indices reach the device
+through pinned memory: a pageable copy on a side stream blocks the host until that stream drains.
+There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
 kernel of `hicache.kernels.transfer`: one launch per layer for a load, one launch for all layers
 of a backup; "direct" keeps the torch index copies. A load's kernel runs at most
 `HICACHE_LOAD_BLOCKS` programs (default 16) per layer and K/V, so that it leaves the SMs to the
@@ -101,35 +106,46 @@ class HostTransferEngine:
 
     def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start) -> None:
         if kind == "load" and LOAD_OVERLAP:
-            # Queued at the first wait_layer (the forward pass that needs it, once its inputs are on
-            # the device: the compute stream's own small host->device copies would otherwise queue
-            # behind the load on the copy engine), or at the next poll. It still comes after the
-            # compute queued before now, which may read the pages it overwrites.
+            # Queued by start_loads (once the scheduler's plan is made) or the first wait_layer,
+            # together with the other loads of that batch. It still comes after the compute queued
+            # before now, which may read the pages it overwrites.
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
             self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after)
             return
-        self._issue(ticket, kind, device_slots, host_slots, on_layer, start, None)
+        self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer, None)
         if kind == "load":  # LOAD_OVERLAP off: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
-    def _kick(self) -> None:
-        """Queues the deferred loads on the load stream."""
-        while self._deferred:
-            ticket = next(iter(self._deferred))
-            device_slots, host_slots, on_layer, start, after = self._deferred.pop(ticket)
-            try:
-                self._issue(ticket, "load", device_slots, host_slots, on_layer, start, after)
-            except Exception as e:  # reported through poll()
-                logger.warning("load transfer %d failed: %r", ticket, e)
-                torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
-                self._finish(ticket, "load", int(device_slots.numel()), start, repr(e))
+    def start_loads(self) -> None:
+        """Queues the deferred loads on the load stream, all of them as one copy per layer, so that
+        layer i of every load lands before layer i + 1 of any (a batch's layer 0 waits for layer 0
+        of each of its requests' loads, not for whole loads queued one after another). The scheduler
+        calls it once its plan is made (`CacheController.start_loads`); `wait_layer` and
+        `synchronize` call it for loads still held back."""
+        if not self._deferred:
+            return
+        loads, self._deferred = self._deferred, {}
+        jobs = [(ticket, int(d.numel()), start) for ticket, (d, _, _, start, _) in loads.items()]
+        hooks = [on_layer for _, _, on_layer, _, _ in loads.values() if on_layer is not None]
+        try:
+            self._issue("load", jobs, torch.cat([d for d, _, _, _, _ in loads.values()]),
+                        torch.cat([h for _, h, _, _, _ in loads.values()]),
+                        (lambda layer: [hook(layer) for hook in hooks]) if hooks else None,
+                        [after for _, _, _, _, after in loads.values()])
+        except Exception as e:  # reported through poll()
+            logger.warning("load transfers %s failed: %r", [t for t, _, _ in jobs], e)
+            torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
+            for ticket, tokens, start in jobs:
+                self._finish(ticket, "load", tokens, start, repr(e))
 
-    def _issue(self, ticket, kind, device_slots, host_slots, on_layer, start, after) -> None:
+    def _issue(self, kind, jobs, device_slots, host_slots, on_layer, afters) -> None:
+        """Queues one copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
+        concatenated), after the compute stream's `afters` events (None: all compute queued so far)."""
         stream = self._streams[kind]
-        if after is None:
+        if afters is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
-        else:
+        for after in afters or ():
             stream.wait_event(after)
         layer_events = []
 
@@ -144,13 +160,14 @@ class HostTransferEngine:
             event = torch.cuda.Event()
             event.record(stream)
         # Compute that reads the loaded pages waits for them through wait_layer (per layer).
-        self._pending[ticket] = _Pending(ticket, kind, int(device_slots.numel()), start, event, tuple(layer_events))
+        for ticket, tokens, start in jobs:
+            self._pending[ticket] = _Pending(ticket, kind, tokens, start, event, tuple(layer_events))
 
     def _copy(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
         if self._layers is not None:
             return self._copy_kernel(kind, device_slots, host_slots, on_layer)
         dev, host = self.device_pool, self.host_pool
-        dslots = device_slots.to(self.device, non_blocking=True)
+        dslots = self._to_device(device_slots)
         for layer in range(dev.num_layers):
             if kind == "backup":
                 host.set_layer(layer, host_slots, dev.k_buffer(layer)[dslots], dev.v_buffer(layer)[dslots])
@@ -165,8 +182,7 @@ class HostTransferEngine:
         from hicache.kernels.transfer import copy_kv
 
         host, layers = self.host_pool, self.device_pool.num_layers
-        dslots = device_slots.to(self.device, non_blocking=True)
-        hslots = host_slots.to(self.device, non_blocking=True)
+        dslots, hslots = self._to_device(device_slots), self._to_device(host_slots)
         if kind == "backup":
             copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers), to_host=True)
             return
@@ -176,6 +192,13 @@ class HostTransferEngine:
             if on_layer is not None:
                 on_layer(layer)
 
+    def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slot indices on the device, through pinned memory on CUDA: a copy from pageable memory
+        would block the host until the side stream reached it (the whole of an earlier load)."""
+        if self.device.type != "cuda":
+            return slots
+        return slots.pin_memory().to(self.device, non_blocking=True)
+
     def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None) -> None:
         nbytes = tokens * self.host_pool.bytes_per_token() if error is None else 0
         self._done.append(TransferResult(ticket, kind, error is None, tokens, nbytes,
@@ -184,8 +207,8 @@ class HostTransferEngine:
     # ---- completion -----------------------------------------------------------------------
 
     def poll(self) -> list[TransferResult]:
-        """Transfers finished since the last poll, in completion order. Never blocks."""
-        self._kick()
+        """Transfers finished since the last poll, in completion order. Never blocks. Deferred
+        loads stay deferred (`start_loads`)."""
         for p in list(self._pending.values()):
             if p.event.query():
                 del self._pending[p.ticket]
@@ -195,7 +218,7 @@ class HostTransferEngine:
 
     def synchronize(self, ticket: int) -> None:
         """Blocks until `ticket` has finished (its result still comes through poll())."""
-        self._kick()
+        self.start_loads()
         p = self._pending.get(ticket)
         if p is not None:
             p.event.synchronize()
@@ -205,7 +228,7 @@ class HostTransferEngine:
         `ticket` has landed (None: all of it). No host sync; nothing to wait for on CPU (copies are
         synchronous) or once the ticket has finished. Queues deferred loads first."""
         if self._deferred:
-            self._kick()
+            self.start_loads()
         p = self._pending.get(ticket)
         if p is None:
             return
