@@ -170,7 +170,7 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
         progress.console.print(f"[bold]{cfg.name}[/]: flags {' '.join(cfg.flags) or '(none)'}; capacity in tokens: "
                                + ", ".join(f"{t} {n}" for t, n in cap.items()) + f"; ready in {server.startup_s:.0f} s")
         if args.prime_clients and cfg.flush:
-            prime(module, wl_argv, server, args.prime_clients, progress)
+            prime(module, wl_argv, server, args.prime_clients, args.prime_rounds, progress)
         workload = make_workload(module, wl)
         total = sum(workload.round_sizes.values())
         task = progress.add_task(cfg.name, total=total)
@@ -200,13 +200,14 @@ def make_workload(module, wl: argparse.Namespace):
     return module.LongContext(wl) if wl.benchmark == "long_context" else module.MultiTurn(wl)
 
 
-def prime(module, wl_argv: list[str], server: Server, clients: int, progress) -> None:
+def prime(module, wl_argv: list[str], server: Server, clients: int, rounds: int, progress) -> None:
     """Runs the workload with `clients` conversations of other tokens (another seed) and no JSON
     line, so that one-time costs (Triton's JIT compiling each kernel specialisation the workload
     reaches) fall outside the measured run; that run flushes the cache first."""
     t0 = time.monotonic()
     wl = module.parse_args([*wl_argv, "--url", server.url, "--log-file", "", "--seed", "1000",
-                            *(["--num-clients", str(clients)] if module is multiturn else ["--num-docs", str(clients)])])
+                            *(["--num-clients", str(clients)] if module is multiturn else ["--num-docs", str(clients)]),
+                            *(["--num-rounds", str(rounds)] if rounds and module is multiturn else [])])
     workload = make_workload(module, wl)
     asyncio.run(multiturn.run(wl, workload))
     progress.console.print(f"primed with {clients} conversation(s) in {time.monotonic() - t0:.0f} s (not measured)")
@@ -284,6 +285,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
                    help="before each measured run (not L3-warm's), run the workload with this many conversations "
                         "(documents) of other tokens on the same server, unmeasured: on a GPU, 1 keeps Triton's "
                         "JIT compilation out of the figures")
+    p.add_argument("--prime-rounds", type=int, default=0,
+                   help="multiturn: rounds of the priming run (0: the workload's); with as many clients as the "
+                        "workload and enough rounds to outgrow L1, it also primes the L2 load-back kernels")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: rewrite the table and plots from the latest line per configuration of NAME.jsonl")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],

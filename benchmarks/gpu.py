@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py [--parts kernels,l1,l2,hf] [--floors floors.json] [--json out.json]
                              [--overlap off|on|both] [--decode-batches 1,16,64,256] [--l1-tokens N]
+                             [--rounds-configs L1,L1+L2,...] [--profile trace.json]
 
 Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
 device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
@@ -9,14 +10,16 @@ device-to-device copy (bytes read + written / s), pinned host<->device copies of
 load-back, also with the engine's cap on programs, and backup),
 `l1` (decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k
 prefill, through the Engine), `l2` (an
-extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `hf` (64 x 1k prompts x
-128 new tokens, HF transformers vs ours). Run the model parts in separate processes so that each
+extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `rounds` (issue 7's
+multi-turn workload in process: L1 only, L1 + L2, and L1 holding everything; `--profile` traces a
+round of L1 + L2), `hf` (64 x 1k prompts x 128 new tokens, HF transformers vs ours). Run the model parts in separate processes so that each
 engine's GPU memory is released. Kernel timings are medians with CUDA events; model timings are
 wall clock around `Engine.generate`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -308,6 +311,114 @@ def model_l2(f: dict) -> dict:
     return out
 
 
+def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048, profile: str | None = None,
+                 names=("L1", "L1+L2", "L1 holds all")) -> dict:
+    """Issue 7's GPU multi-turn workload in process, without HTTP: every round each of `clients`
+    conversations appends `turn` new tokens and all are submitted together (one output token each).
+    L1 holds 20% of the working set. Configurations: L1 only, L1 + L2 (5.2 x L1), and L1 holding
+    everything (what L1 + L2 would take if its loads cost nothing). With `profile`, one middle round
+    of L1 + L2 is traced with torch.profiler (chrome trace at that path) and summarised per stream."""
+    out, working_set = {}, clients * rounds * (turn + 1)
+    l1 = working_set // 5
+    configs = {"L1": dict(max_total_tokens=l1, disable_hierarchical_cache=True),
+               "L1+L2": dict(max_total_tokens=l1, hicache_ratio=5.2),
+               "L1 holds all": dict(max_total_tokens=working_set + 8192, disable_hierarchical_cache=True)}
+    row("rounds: working set", f"{working_set} tokens", f"L1 {l1} tokens")
+    for name in names:
+        with engine(chunked_prefill_size=8192, max_running_requests=32, context_length=rounds * (turn + 1) + 64,
+                    **configs[name]) as eng:
+            # Unmeasured, other tokens: Triton's JIT of every kernel specialisation the rounds reach
+            # (the fourth round outgrows L1, so L1 + L2 loads back)
+            conversation(eng, clients, 4, turn, torch.Generator().manual_seed(1000))
+            eng.flush_cache()
+            trace = profile if name == "L1+L2" else None
+            out[name] = conversation(eng, clients, rounds, turn, torch.Generator().manual_seed(2), trace)
+            row(f"rounds, {name}", f"{out[name]['total_s']:.2f} s",
+                f"computed {out[name]['computed_tokens']} of {out[name]['prompt_tokens']} prompt tokens; "
+                f"rounds {' '.join(f'{t:.2f}' for t in out[name]['round_s'])}")
+    if "L1" in out:
+        row("rounds vs L1", ", ".join(f"{name} {out['L1']['total_s'] / out[name]['total_s']:.2f}x" for name in out))
+    return out
+
+
+def conversation(eng, clients: int, rounds: int, turn: int, rng: torch.Generator, trace: str | None = None) -> dict:
+    """Runs the rounds (see model_rounds); with `trace`, the middle round under torch.profiler."""
+    convs, times, computed, prompted = [[] for _ in range(clients)], [], 0, 0
+    for r in range(rounds):
+        for conv, question in zip(convs, prompts(clients, turn, rng)):
+            conv += question
+        traced = trace is not None and r == rounds // 2
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with (torch.profiler.profile(activities=activities) if traced else contextlib.nullcontext()) as prof:
+            res = []
+            times.append(wall(lambda: res.extend(eng.generate(input_ids=convs, sampling_params=greedy(1)))))
+        if traced:
+            prof.export_chrome_trace(trace)
+            trace_summary(trace, f"round {r}")
+        for conv, o in zip(convs, res):
+            computed += len(conv) - o["meta_info"]["cached_tokens"]
+            prompted += len(conv)
+            conv += o["output_ids"]
+    return {"round_s": times, "total_s": sum(times), "computed_tokens": computed, "prompt_tokens": prompted}
+
+
+def trace_summary(path: str, title: str) -> None:
+    """Per CUDA stream of a chrome trace: busy time, its top kernels, and how much of the busiest
+    (compute) stream's idle time other streams filled."""
+    everything = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in everything if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        print(f"{title}: no GPU events in the trace")
+        return
+    start = min(e["ts"] for e in events)
+    window = max(e["ts"] + e["dur"] for e in events) - start
+    streams: dict = {}
+    for e in events:
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+
+    def busy(evs) -> list:
+        spans = []
+        for s, d in sorted((e["ts"], e["ts"] + e["dur"]) for e in evs):
+            if spans and s <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], d)
+            else:
+                spans.append([s, d])
+        return spans
+
+    def total(spans) -> float:
+        return sum(d - s for s, d in spans)
+
+    compute = max(streams, key=lambda k: total(busy(streams[k])))
+    print(f"\n{title}: GPU window {window / 1e3:.1f} ms")
+    for sid, evs in sorted(streams.items(), key=lambda kv: -total(busy(kv[1]))):
+        names: dict = {}
+        for e in evs:
+            names[e["name"][:70]] = names.get(e["name"][:70], 0) + e["dur"]
+        top = ", ".join(f"{n} {d / 1e3:.1f}" for n, d in sorted(names.items(), key=lambda kv: -kv[1])[:4])
+        print(f"  stream {sid}{' (compute)' if sid == compute else ''}: busy {total(busy(evs)) / 1e3:.1f} ms, "
+              f"{len(evs)} ops; top (ms): {top}")
+    others = busy([e for k, evs in streams.items() if k != compute for e in evs])
+    mine = busy(streams[compute])
+    idle_filled = total(others) - sum(max(0, min(d, md) - max(s, ms)) for s, d in others for ms, md in mine)
+    print(f"  compute stream idle {(window - total(mine)) / 1e3:.1f} ms, of which other streams busy "
+          f"{idle_filled / 1e3:.1f} ms (transfers not hidden) and nothing on the GPU "
+          f"{(window - total(mine) - idle_filled) / 1e3:.1f} ms (host-bound)")
+    calls: dict = {}
+    for e in everything:
+        if e.get("cat") == "cuda_runtime":
+            calls[e["name"]] = calls.get(e["name"], 0) + e["dur"]
+    print("  host time in CUDA runtime calls (ms): "
+          + ", ".join(f"{n} {d / 1e3:.1f}" for n, d in sorted(calls.items(), key=lambda kv: -kv[1])[:6]))
+    ranked = sorted(streams, key=lambda k: -total(busy(streams[k])))
+    copies = sorted(streams[ranked[1]], key=lambda e: e["ts"]) if len(ranked) > 1 else []
+    if copies:  # the GPU timeline around the first op of the busiest transfer stream
+        t0 = copies[0]["ts"] - 2000
+        near = sorted((e for e in events if t0 <= e["ts"] < t0 + 40_000), key=lambda e: e["ts"])
+        Path(path + ".timeline.txt").write_text("".join(
+            f"{(e['ts'] - t0) / 1e3:9.3f} ms +{e['dur'] / 1e3:7.3f} stream {e['args'].get('stream')}: {e['name'][:60]}\n"
+            for e in near))
+
+
 def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
     """Output tokens per second, HF transformers (bf16, sdpa, its KV cache) vs ours, same shapes."""
     import gc
@@ -338,7 +449,8 @@ def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
     return out
 
 
-PARTS = {"kernels": kernels, "transfers": transfers, "l1": model_l1, "l2": model_l2, "hf": vs_hf}
+PARTS = {"kernels": kernels, "transfers": transfers, "l1": model_l1, "l2": model_l2, "rounds": model_rounds,
+         "hf": vs_hf}
 
 
 def main() -> None:
@@ -352,6 +464,8 @@ def main() -> None:
     ap.add_argument("--l1-tokens", type=int, default=0,
                     help="l1: KV pool tokens (0: sized by mem_fraction_static, 0.85); 256 x 2k needs ~540k, "
                          "more than an 80 GB H100 holds beside the weights (that batch is then skipped)")
+    ap.add_argument("--profile", default=None, help="rounds: write a chrome trace of one L1 + L2 round here")
+    ap.add_argument("--rounds-configs", default="L1,L1+L2,L1 holds all", help="rounds: comma-separated configurations")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| measure | value | vs floor |\n|---|---|---|")
@@ -369,6 +483,8 @@ def main() -> None:
         if part == "l1":
             results[part] = model_l1(f, args.overlap, [int(b) for b in args.decode_batches.split(",")],
                                      args.l1_tokens or None)
+        elif part == "rounds":
+            results[part] = model_rounds(f, profile=args.profile, names=args.rounds_configs.split(","))
         else:
             results[part] = PARTS[part](f)
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
