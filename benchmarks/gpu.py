@@ -434,14 +434,14 @@ def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
     ids = torch.tensor(ps, device="cuda")
     run = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0)
-    run_small = lambda: hf.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)
-    run_small()
+    warm = torch.tensor(prompts(8, length, rng), device="cuda")  # both sides warm up on the same shapes
+    hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False, pad_token_id=0)
     t_hf = wall(run)
     del hf
     gc.collect()
     torch.cuda.empty_cache()
     with engine(max_total_tokens=200_000, hicache_size=20, max_running_requests=256) as eng:
-        eng.generate(input_ids=prompts(4, 256, rng), sampling_params=greedy(4))  # warm-up (kernel builds)
+        eng.generate(input_ids=warm.tolist(), sampling_params=greedy(8))  # warm-up (Triton JIT), other tokens
         t_ours = wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(new)))
     out = {"hf_tok_per_s": n * new / t_hf, "ours_tok_per_s": n * new / t_ours}
     row(f"HF transformers, {n} x {length} prompts x {new} new", f"{out['hf_tok_per_s']:.0f} output tok/s")
