@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -316,8 +318,9 @@ def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048,
     """Issue 7's GPU multi-turn workload in process, without HTTP: every round each of `clients`
     conversations appends `turn` new tokens and all are submitted together (one output token each).
     L1 holds 20% of the working set. Configurations: L1 only, L1 + L2 (5.2 x L1), and L1 holding
-    everything (what L1 + L2 would take if its loads cost nothing). With `profile`, one middle round
-    of L1 + L2 is traced with torch.profiler (chrome trace at that path) and summarised per stream."""
+    everything (what L1 + L2 would take if its loads cost nothing). With `profile`, round 5 of L1 + L2
+    is traced with torch.profiler (chrome trace at that path, summarised per stream; the compute
+    stream's idle spans in PATH.gaps.txt) and round 6 runs under cProfile; both count in its total."""
     out, working_set = {}, clients * rounds * (turn + 1)
     l1 = working_set // 5
     configs = {"L1": dict(max_total_tokens=l1, disable_hierarchical_cache=True),
@@ -342,16 +345,25 @@ def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048,
 
 
 def conversation(eng, clients: int, rounds: int, turn: int, rng: torch.Generator, trace: str | None = None) -> dict:
-    """Runs the rounds (see model_rounds); with `trace`, the middle round under torch.profiler."""
+    """Runs the rounds (see model_rounds); with `trace`, the middle round under torch.profiler and
+    the next one under cProfile."""
     convs, times, computed, prompted = [[] for _ in range(clients)], [], 0, 0
     for r in range(rounds):
         for conv, question in zip(convs, prompts(clients, turn, rng)):
             conv += question
         traced = trace is not None and r == rounds // 2
+        host_profiled = trace is not None and r == rounds // 2 + 1
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with (torch.profiler.profile(activities=activities) if traced else contextlib.nullcontext()) as prof:
+            host = cProfile.Profile()
+            if host_profiled:  # Python 3.12's cProfile sees every thread (sys.monitoring): the scheduler's too
+                host.enable()
             res = []
             times.append(wall(lambda: res.extend(eng.generate(input_ids=convs, sampling_params=greedy(1)))))
+            if host_profiled:
+                host.disable()
+                print(f"\nround {r} under cProfile ({times[-1]:.2f} s with its overhead):")
+                pstats.Stats(host).sort_stats("tottime").print_stats(18)
         if traced:
             prof.export_chrome_trace(trace)
             trace_summary(trace, f"round {r}")
@@ -409,14 +421,17 @@ def trace_summary(path: str, title: str) -> None:
             calls[e["name"]] = calls.get(e["name"], 0) + e["dur"]
     print("  host time in CUDA runtime calls (ms): "
           + ", ".join(f"{n} {d / 1e3:.1f}" for n, d in sorted(calls.items(), key=lambda kv: -kv[1])[:6]))
-    ranked = sorted(streams, key=lambda k: -total(busy(streams[k])))
-    copies = sorted(streams[ranked[1]], key=lambda e: e["ts"]) if len(ranked) > 1 else []
-    if copies:  # the GPU timeline around the first op of the busiest transfer stream
-        t0 = copies[0]["ts"] - 2000
-        near = sorted((e for e in events if t0 <= e["ts"] < t0 + 40_000), key=lambda e: e["ts"])
-        Path(path + ".timeline.txt").write_text("".join(
-            f"{(e['ts'] - t0) / 1e3:9.3f} ms +{e['dur'] / 1e3:7.3f} stream {e['args'].get('stream')}: {e['name'][:60]}\n"
-            for e in near))
+    gaps, last = [], None  # the compute stream's idle spans, which other streams ran in them, what came next
+    next_op = {e["ts"]: e["name"][:40] for e in streams[compute]}
+    for s0, s1 in mine:
+        if last is not None and s0 - last > 300:
+            during = sorted({str(e["args"].get("stream")) for e in events
+                             if e["args"].get("stream") != compute and e["ts"] < s0 and e["ts"] + e["dur"] > last})
+            gaps.append(f"{(last - start) / 1e3:9.2f} ms: idle {(s0 - last) / 1e3:6.2f} ms, "
+                        f"other streams busy: {', '.join(during) or 'none'}; then {next_op.get(s0, '?')}\n")
+        last = s1
+    Path(path + ".gaps.txt").write_text("".join(gaps))
+    print(f"  compute idle spans over 0.3 ms: {len(gaps)} (listed in {path}.gaps.txt)")
 
 
 def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
