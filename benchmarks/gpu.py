@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py [--parts kernels,l1,l2,hf] [--floors floors.json] [--json out.json]
                              [--overlap off|on|both] [--decode-batches 1,16,64,256] [--l1-tokens N]
-                             [--rounds-configs L1,L1+L2,...] [--profile trace.json]
+                             [--rounds-configs L1,L1+L2,...] [--profile trace.json] [--io-backend direct|kernel]
 
 Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
 device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
@@ -33,6 +33,7 @@ import torch
 CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b.json"
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
 KV_TOKEN_BYTES = 2 * LAYERS * HKV * D * 2  # 128 KiB
+IO_BACKEND = "direct"  # the engines' hicache_io_backend (--io-backend)
 GiB = 2**30
 
 
@@ -142,6 +143,7 @@ def kernels(f: dict) -> dict:
 
 def transfers(f: dict) -> dict:
     from hicache.kernels.transfer import copy_kv, layer_pointers
+    from hicache.tiers.host.copy_engine import BatchCopier, page_copies
     from hicache.tiers.host.pool import HostKVPool
     from hicache.tiers.host.transfer import LOAD_BLOCKS
 
@@ -171,6 +173,21 @@ def transfers(f: dict) -> dict:
         out[f"load_{layout}_capped_bytes_per_s"] = nbytes / t
         row(f"  same, {LOAD_BLOCKS} programs per layer and K/V (the engine's load-back)",
             f"{nbytes / t / 1e9:.1f} GB/s", f"{nbytes / t / f['h2d_bytes_per_s']:.2f} of pinned H2D")
+        copier, stream = BatchCopier(torch.device("cuda")), torch.cuda.Stream()  # not the legacy stream
+        h_cpu, d_cpu = hslots.cpu(), dslots.cpu()
+        plan = page_copies(host, k_bufs, v_bufs, h_cpu, d_cpu, range(LAYERS), to_host=False)
+        with torch.cuda.stream(stream):  # timed on that stream
+            t = timed(lambda: [copier.copy(plan[0][:, i], plan[1][:, i], plan[2][:, i], False, stream)
+                               for i in range(LAYERS)], reps=5)
+        out[f"load_{layout}_copy_engine_bytes_per_s"] = nbytes / t
+        row(f"  same, copy engines (a driver call per layer, {plan[0].shape[2]} runs)", f"{nbytes / t / 1e9:.1f} GB/s",
+            f"{nbytes / t / f['h2d_bytes_per_s']:.2f} of pinned H2D")
+        back = page_copies(host, k_bufs, v_bufs, h_cpu, d_cpu, range(LAYERS), to_host=True)
+        with torch.cuda.stream(stream):
+            t = timed(lambda: copier.copy(*back, True, stream), reps=5)
+        out[f"backup_{layout}_copy_engine_bytes_per_s"] = nbytes / t
+        row("  backup, copy engines (one driver call)", f"{nbytes / t / 1e9:.1f} GB/s",
+            f"{nbytes / t / f['d2h_bytes_per_s']:.2f} of pinned D2H")
         t = timed(lambda: copy_kv(host.buffer, layout, ptrs, hslots, dslots, range(LAYERS), to_host=True), reps=5)
         out[f"backup_{layout}_bytes_per_s"] = nbytes / t
         row(f"backup 32k tokens ({layout}, one launch)", f"{nbytes / t / 1e9:.1f} GB/s",
@@ -191,6 +208,7 @@ def engine(**options):
 
     if "hicache_storage_backend" in HiCacheConfig.__dataclass_fields__:
         options.setdefault("hicache_storage_backend", "none")  # L1/L2 figures only
+    options.setdefault("hicache_io_backend", IO_BACKEND)
     return Engine(str(CONFIG), load_format="dummy", dtype="bfloat16", page_size=64, **options)
 
 
@@ -354,7 +372,8 @@ def conversation(eng, clients: int, rounds: int, turn: int, rng: torch.Generator
         traced = trace is not None and r == rounds // 2
         host_profiled = trace is not None and r == rounds // 2 + 1
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with (torch.profiler.profile(activities=activities) if traced else contextlib.nullcontext()) as prof:
+        with (torch.profiler.profile(activities=activities, with_stack=True) if traced
+              else contextlib.nullcontext()) as prof:
             host = cProfile.Profile()
             if host_profiled:  # Python 3.12's cProfile sees every thread (sys.monitoring): the scheduler's too
                 host.enable()
@@ -429,6 +448,11 @@ def trace_summary(path: str, title: str) -> None:
                              if e["args"].get("stream") != compute and e["ts"] < s0 and e["ts"] + e["dur"] > last})
             gaps.append(f"{(last - start) / 1e3:9.2f} ms: idle {(s0 - last) / 1e3:6.2f} ms, "
                         f"other streams busy: {', '.join(during) or 'none'}; then {next_op.get(s0, '?')}\n")
+            if s0 - last > 10_000:  # a long one: the host's innermost calls that span most of it
+                host = [e for e in everything if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")
+                        and e["ts"] < s0 and e["ts"] + e["dur"] > last and e["dur"] > (s0 - last) / 2]
+                for e in sorted(host, key=lambda e: e["dur"])[:6]:
+                    gaps.append(f"{'':14}host: {e['name'][:90]} ({e['dur'] / 1e3:.1f} ms)\n")
         last = s1
     Path(path + ".gaps.txt").write_text("".join(gaps))
     print(f"  compute idle spans over 0.3 ms: {len(gaps)} (listed in {path}.gaps.txt)")
@@ -480,8 +504,12 @@ def main() -> None:
                     help="l1: KV pool tokens (0: sized by mem_fraction_static, 0.85); 256 x 2k needs ~540k, "
                          "more than an 80 GB H100 holds beside the weights (that batch is then skipped)")
     ap.add_argument("--profile", default=None, help="rounds: write a chrome trace of one L1 + L2 round here")
+    ap.add_argument("--io-backend", default="direct", choices=("direct", "kernel"),
+                    help="l2, rounds: the engines' L1 <-> L2 copies (the copy engines, or the Triton gather kernel)")
     ap.add_argument("--rounds-configs", default="L1,L1+L2,L1 holds all", help="rounds: comma-separated configurations")
     args = ap.parse_args()
+    global IO_BACKEND
+    IO_BACKEND = args.io_backend
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| measure | value | vs floor |\n|---|---|---|")
     t0 = time.perf_counter()

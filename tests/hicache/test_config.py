@@ -42,6 +42,6 @@ def test_cli_flags():
                                       "--hicache-write-policy", "write_back", "--hicache-mem-layout", "page_first"])
     cc = config_from_args(HiCacheConfig, args)
     assert not cc.hierarchical and cc.hicache_ratio == 10 and cc.hicache_write_policy == "write_back"
-    args = build_parser().parse_args(["serve", "--hicache-size", "4", "--hicache-io-backend", "direct"])
+    args = build_parser().parse_args(["serve", "--hicache-size", "4", "--hicache-io-backend", "kernel"])
     cc = config_from_args(HiCacheConfig, args)
-    assert cc.hierarchical and cc.hicache_size == 4 and cc.hicache_io_backend == "direct"
+    assert cc.hierarchical and cc.hicache_size == 4 and cc.hicache_io_backend == "kernel"

@@ -205,33 +205,37 @@ def test_launchers_reject_bad_arguments():
         copy_kv(torch.zeros(2, 1, 16, 2, 64, pin_memory=True), "layer_first", ptrs, one, one, range(1), False)
 
 
-def transfer_engine(layers: int, n: int):
-    """A Triton-kernel transfer engine over a zeroed device pool and a random pinned host pool."""
+def transfer_engine(layers: int, n: int, io_backend: str = "kernel", layout: str = "layer_first"):
+    """A transfer engine (io_backend "kernel": the Triton gather kernel; "direct": the copy engines,
+    many copies per driver call) over a zeroed device pool and a random pinned host pool."""
     from hicache.tiers.gpu.pool import DeviceKVPool
     from hicache.tiers.host.pool import HostKVPool
     from hicache.tiers.host.transfer import HostTransferEngine
 
     hkv, d = 8, 128
     dev = DeviceKVPool(n, 64, layers, hkv, d, torch.bfloat16, DEV)
-    host = HostKVPool(n, 64, layers, hkv, d, torch.bfloat16, "layer_first", pin=True)
+    host = HostKVPool(n, 64, layers, hkv, d, torch.bfloat16, layout, pin=True)
     host.buffer.copy_(torch.randn(host.buffer.shape, generator=fresh_gen(), device=DEV, dtype=torch.bfloat16).cpu())
     for i in range(layers):
         dev.k_buffer(i).zero_()
         dev.v_buffer(i).zero_()
     torch.cuda.synchronize()
-    return HostTransferEngine(dev, host, "kernel"), dev, host
+    eng = HostTransferEngine(dev, host, io_backend)
+    assert (eng._batch is not None) == (io_backend == "direct"), "the copy-engine path must be the one tested"
+    return eng, dev, host
 
 
 def scattered_pages(n: int) -> torch.Tensor:
     return torch.randperm(n // 64)[:, None].mul(64).add(torch.arange(64)).view(-1)
 
 
-def test_transfer_engine_load_waits_per_layer():
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_transfer_engine_load_waits_per_layer(io_backend):
     """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
     next after layer i of the load alone (what the forward pass does before layer i's attention).
     The pages are scattered; the Triton gather kernel copies them."""
     layers, n = 8, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
-    eng, dev, host = transfer_engine(layers, n)
+    eng, dev, host = transfer_engine(layers, n, io_backend)
     slots, dst = scattered_pages(n), torch.arange(n)
     ticket = eng.load(slots, dst)
     free = torch.cuda.Event()
@@ -251,12 +255,13 @@ def test_transfer_engine_load_waits_per_layer():
     eng.wait_layer(ticket, 0)  # finished: nothing to wait for
 
 
-def test_transfer_engine_batches_loads_layer_by_layer():
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_transfer_engine_batches_loads_layer_by_layer(io_backend):
     """The loads of one batch's requests are queued together, layer by layer: layer i of every
     load is copied before layer i + 1 of any, so that the batch's layer 0 does not wait for whole
     loads queued one after another. Each load's pages land where it asked, layer by layer."""
     layers, n = 4, 8192
-    eng, dev, host = transfer_engine(layers, n)
+    eng, dev, host = transfer_engine(layers, n, io_backend)
     slots, dst = scattered_pages(n), torch.randperm(n)
     order, loads = [], []
     for part in range(3):  # three requests' loads of different lengths
@@ -278,11 +283,12 @@ def test_transfer_engine_batches_loads_layer_by_layer():
     assert sorted(r.ticket for r in eng.poll() if r.ok) == sorted(t for t, _, _ in loads)
 
 
-def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for():
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for(io_backend):
     """A load is deferred until a forward pass waits for it; poll() alone never starts it (the
     loads of one batch go together), start_loads() does (the scheduler calls it once a step)."""
     layers, n = 2, 1024
-    eng, dev, host = transfer_engine(layers, n)
+    eng, dev, host = transfer_engine(layers, n, io_backend)
     slots, dst = scattered_pages(n), torch.arange(n)
     ticket = eng.load(slots, dst)
     torch.cuda.synchronize()
@@ -296,3 +302,28 @@ def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for():
     for i in range(layers):
         hk, hv = host.get_layer(i, slots)
         assert torch.equal(dev.k_buffer(i)[dst].cpu(), hk) and torch.equal(dev.v_buffer(i)[dst].cpu(), hv)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_transfer_engine_backup_and_load_round_trip(io_backend, layout):
+    """A backup of scattered device pages (every layer) lands in the host slots asked for, and a
+    load of them back lands in other device slots, in both host layouts."""
+    layers, n = 4, 8192
+    eng, dev, host = transfer_engine(layers, n, io_backend, layout)
+    for i in range(layers):
+        dev.k_buffer(i).copy_(torch.randn(dev.k_buffer(i).shape, generator=fresh_gen(), device=DEV, dtype=torch.bfloat16))
+        dev.v_buffer(i).copy_(torch.randn(dev.v_buffer(i).shape, generator=fresh_gen(), device=DEV, dtype=torch.bfloat16))
+    src, hslots = scattered_pages(n)[: n // 2], scattered_pages(n)[: n // 2]
+    ticket = eng.backup(src, hslots)
+    eng.synchronize(ticket)
+    for i in range(layers):
+        hk, hv = host.get_layer(i, hslots)
+        assert torch.equal(hk, dev.k_buffer(i)[src].cpu()) and torch.equal(hv, dev.v_buffer(i)[src].cpu())
+    dst = scattered_pages(n)[: n // 2]
+    ticket = eng.load(hslots, dst)
+    eng.synchronize(ticket)
+    for i in range(layers):
+        hk, hv = host.get_layer(i, hslots)
+        assert torch.equal(dev.k_buffer(i)[dst].cpu(), hk) and torch.equal(dev.v_buffer(i)[dst].cpu(), hv)
+    assert sorted(r.ok for r in eng.poll()) == [True, True]

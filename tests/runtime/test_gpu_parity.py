@@ -134,9 +134,12 @@ def assert_hf_argmax(model, prompts: list[list[int]], outs: list[list[int]], rel
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("page_size,layout,graphs", [(1, "layer_first", True), (64, "page_first", True),
-                                                     (64, "layer_first", False)])
-def test_random_weights_pick_hf_argmax(checkpoint, dtype, page_size, layout, graphs):
+@pytest.mark.parametrize("page_size,layout,graphs,io", [(1, "layer_first", True, "kernel"),
+                                                        (64, "page_first", True, "kernel"),
+                                                        (64, "layer_first", False, "kernel"),
+                                                        (64, "layer_first", True, "direct"),
+                                                        (16, "page_first", False, "direct")])
+def test_random_weights_pick_hf_argmax(checkpoint, dtype, page_size, layout, graphs, io):
     path, hf_cpu = checkpoint
     rng = random.Random(page_size)
     system = [rng.randrange(3, VOCAB) for _ in range(300)]
@@ -144,7 +147,7 @@ def test_random_weights_pick_hf_argmax(checkpoint, dtype, page_size, layout, gra
     second = [p + [5, 6, 7] for p in prompts]
     with Engine(str(path), load_format="safetensors", dtype=dtype, page_size=page_size, hicache_mem_layout=layout,
                 max_total_tokens=1280, hicache_ratio=8.0, max_running_requests=4, chunked_prefill_size=256,
-                disable_cuda_graph=not graphs) as engine:
+                disable_cuda_graph=not graphs, hicache_io_backend=io) as engine:
         first, again = two_rounds(engine, prompts, second, NEW, filler=600)
         assert (engine.scheduler.runner.graphs is not None) == graphs
     hf = copy.deepcopy(hf_cpu).to("cuda", getattr(torch, dtype))  # Module.to() is in place: a bf16 pass

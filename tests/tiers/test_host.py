@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,3 +125,58 @@ def test_engine_rejects_bad_backend_and_layer_mismatch():
     other = HostKVPool(16, 4, LAYERS + 1, HEADS, DIM, torch.float32)
     with pytest.raises(ValueError, match="layers"):
         HostTransferEngine(dev, other)
+
+
+def test_slot_runs_pair_up_slots_contiguous_on_both_sides():
+    from hicache.tiers.host.copy_engine import slot_runs
+
+    pages = lambda ps, size=4: np.concatenate([np.arange(p * size, p * size + size) for p in ps])
+    # the allocator hands out pages in descending order: host and device runs still pair up
+    h, d, n = slot_runs(pages([5, 4, 3]), pages([9, 8, 7]))
+    assert (h.tolist(), d.tolist(), n.tolist()) == ([12], [28], [12])
+    h, d, n = slot_runs(pages([5, 4, 3]), pages([9, 2, 7]))
+    assert (h.tolist(), d.tolist(), n.tolist()) == ([12, 16, 20], [28, 8, 36], [4, 4, 4])
+    h, d, n = slot_runs(pages([5, 4, 3]), pages([9, 8, 7]), host_page=4)  # page_first: a run per host page
+    assert (h.tolist(), d.tolist(), n.tolist()) == ([12, 16, 20], [28, 32, 36], [4, 4, 4])
+    assert [a.size for a in slot_runs(np.zeros(0, np.int64), np.zeros(0, np.int64))] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_page_copies_address_the_same_bytes_as_the_index_copies(layout):
+    """The copy engine's (dst, src, size) list, carried out here with memmove on CPU buffers, moves
+    exactly what the pool's get_layer / set_layer index copies move, both ways, in both layouts."""
+    import ctypes
+
+    from hicache.tiers.host.copy_engine import page_copies
+
+    dev, host = pools(layout, device_tokens=64, host_tokens=256)
+    g = torch.Generator().manual_seed(3)
+    host.buffer.copy_(torch.randn(host.buffer.shape, generator=g))
+    # scattered pages, some adjacent on both sides (runs), in a shuffled order
+    hslots = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in [7, 8, 9, 2, 30, 31, 12]])
+    dslots = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in [3, 4, 6, 11, 0, 1, 14]])
+    perm = torch.randperm(hslots.numel(), generator=g)
+    hslots, dslots = hslots[perm], dslots[perm]
+
+    def run(copies):
+        for dst, src, size in zip(*(a.reshape(-1).tolist() for a in copies)):
+            ctypes.memmove(dst, src, size)
+
+    ks = [dev.k_buffer(i) for i in range(LAYERS)]
+    vs = [dev.v_buffer(i) for i in range(LAYERS)]
+    copies = page_copies(host, ks, vs, hslots, dslots, range(LAYERS), to_host=False)
+    assert copies[0].shape[:2] == (2, LAYERS) and copies[0].shape[2] < hslots.numel() // 4 + 2  # runs merged
+    run(copies)
+    for i in range(LAYERS):
+        k, v = host.get_layer(i, hslots)
+        assert torch.equal(dev.k_buffer(i)[dslots], k) and torch.equal(dev.v_buffer(i)[dslots], v)
+    for i in range(LAYERS):  # now the other way, onto other host slots, layer 1 only
+        dev.k_buffer(i).copy_(torch.randn(dev.k_buffer(i).shape, generator=g))
+        dev.v_buffer(i).copy_(torch.randn(dev.v_buffer(i).shape, generator=g))
+    back = hslots + 64
+    untouched = [host.get_layer(i, back) for i in (0, 2)]
+    run(page_copies(host, ks, vs, back, dslots, [1], to_host=True))
+    k, v = host.get_layer(1, back)
+    assert torch.equal(k, dev.k_buffer(1)[dslots]) and torch.equal(v, dev.v_buffer(1)[dslots])
+    for i, (k, v) in zip((0, 2), untouched):  # only the layers asked for
+        assert torch.equal(host.get_layer(i, back)[0], k) and torch.equal(host.get_layer(i, back)[1], v)

@@ -8,15 +8,20 @@ the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` befor
 attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. Loads are
 held back until `start_loads()` (the scheduler calls it once its batch is made) and then queued
 together, one copy per layer for all of them: had each request's load been queued whole, one after
-another, a batch's layer 0 would wait for every load but the last. Slot indices reach the device
-through pinned memory: a pageable copy on a side stream blocks the host until that stream drains.
-There, io_backend "kernel" (with a pinned host pool) moves pages with the Triton gather
-kernel of `hicache.kernels.transfer`: one launch per layer for a load, one launch for all layers
-of a backup; "direct" keeps the torch index copies. A load's kernel runs at most
-`HICACHE_LOAD_BLOCKS` programs (default 16) per layer and K/V, so that it leaves the SMs to the
-compute it overlaps (0: one program per 8 tokens). On an H200, an extend of 1k tokens over a 31k
-prefix loaded back from L2 took 110 ms with 16 programs, 146 ms with 64 and 83 ms with the prefix
-resident. (A copy-engine load, a memcpy per contiguous run, overlapped worse, 158 ms, and was removed.)
+another, a batch's layer 0 would wait for every load but the last. Even then a load's layers are
+queued `HICACHE_LOAD_AHEAD` (default 2) ahead of the layer the forward pass waits for, not all
+before the pass: queuing costs the host time that the pass's own launches need. Slot indices reach
+the device through pinned memory: a pageable copy on a side stream blocks the host until that
+stream drains.
+
+With a pinned host pool on CUDA, io_backend "direct" (the default) moves pages on the copy engines
+(`copy_engine.BatchCopier`: all of a layer's runs of pages in one `cuMemcpyBatchAsync`; a backup,
+every layer in one call), which take no SM from the compute they overlap; where the driver lacks
+that call (before CUDA 12.8) it falls back to "kernel": the Triton gather kernel of
+`hicache.kernels.transfer` (one launch per layer for a load, at most `HICACHE_LOAD_BLOCKS`
+programs per layer and K/V, default 16; one launch for all layers of a backup). On an H100, an
+extend of 1k tokens over a 31k prefix loaded back from L2 took 1.07-1.20x the time with the
+prefix resident with the copy engines, 1.36x with the kernel (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from hicache.tiers.base import DevicePool, TransferResult
+from hicache.tiers.host.copy_engine import BatchCopier, page_copies
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,44 @@ IO_BACKENDS = ("direct", "kernel")
 LOAD_BLOCKS = int(os.environ.get("HICACHE_LOAD_BLOCKS", "16"))
 # 0: a load's copies are queued at once and the compute stream waits for the whole load (no overlap).
 LOAD_OVERLAP = os.environ.get("HICACHE_LOAD_OVERLAP", "1") != "0"
+LOAD_AHEAD = int(os.environ.get("HICACHE_LOAD_AHEAD", "2"))  # layers of a load queued ahead of the one waited for
+
+
+class _Queued:
+    """Copies for one or more tickets on a side stream, queued a step at a time (a load: a step
+    per layer, with an event each; a backup: one step for every layer). `upto(i)` queues the steps
+    not yet queued through step i, so that a load's copies go out as the forward pass reaches
+    their layers, between its own launches, instead of all before it. A copy that raises stops
+    the queuing: `error` says why, and the compute stream waits for what was queued before it
+    (those copies still write their pages)."""
+
+    def __init__(self, stream, steps: int, copy_step: Callable[[int], None], on_step=None):
+        self.stream, self.steps, self.copy_step, self.on_step = stream, steps, copy_step, on_step
+        self.events: list = []  # torch.cuda.Event per step queued
+        self.error: str | None = None
+
+    def upto(self, step: int) -> None:
+        step = min(step, self.steps - 1)
+        try:
+            with torch.cuda.stream(self.stream):
+                while len(self.events) <= step and self.error is None:
+                    self.copy_step(len(self.events))
+                    self.events.append(torch.cuda.Event())
+                    self.events[-1].record(self.stream)
+                    if self.on_step is not None:
+                        self.on_step(len(self.events) - 1)
+        except Exception as e:  # reported through poll(), never raised into the forward pass
+            logger.warning("copy step %d of %d failed: %r", len(self.events), self.steps, e)
+            self.error = repr(e)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def event(self, step: int):
+        """The event of `step` (or of the last step queued before an error); None if none."""
+        return self.events[min(step, len(self.events) - 1)] if self.events else None
+
+    def done(self) -> bool:
+        self.upto(self.steps - 1)
+        return self.error is not None or self.events[-1].query()
 
 
 class _Pending(NamedTuple):
@@ -43,8 +87,7 @@ class _Pending(NamedTuple):
     kind: str
     tokens: int
     start: float
-    event: object  # torch.cuda.Event recorded after the last copy
-    layer_events: tuple = ()  # load: one torch.cuda.Event per layer, recorded once it is copied
+    queued: _Queued
 
 
 class HostTransferEngine:
@@ -53,7 +96,7 @@ class HostTransferEngine:
     Only the scheduler thread calls it.
     """
 
-    def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "kernel"):
+    def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "direct"):
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"hicache_io_backend must be one of {', '.join(IO_BACKENDS)}; got {io_backend!r}")
         if device_pool.num_layers != host_pool.num_layers:
@@ -66,9 +109,15 @@ class HostTransferEngine:
         self._deferred: dict[int, tuple] = {}  # CUDA loads not yet queued: ticket -> (slots, on_layer, start, after)
         self._streams = None
         self._layers = None  # kernels.transfer.DeviceLayers when the Triton kernel copies
+        self._batch = None  # copy_engine.BatchCopier when the copy engines do
         if self.device.type == "cuda":
             self._streams = {"backup": torch.cuda.Stream(self.device), "load": torch.cuda.Stream(self.device)}
-            if io_backend == "kernel" and host_pool.pinned:
+            if host_pool.pinned and io_backend == "direct":
+                try:
+                    self._batch = BatchCopier(self.device)
+                except (OSError, RuntimeError) as e:
+                    logger.warning("io_backend direct: %s; the Triton gather kernel copies instead", e)
+            if host_pool.pinned and self._batch is None:
                 from hicache.kernels.transfer import layer_pointers  # needs triton: CUDA only
 
                 n = device_pool.num_layers
@@ -93,7 +142,11 @@ class HostTransferEngine:
             if device_slots.shape != host_slots.shape:
                 raise ValueError(f"{kind}: {n} device slots but {host_slots.numel()} host slots")
             if self._streams is None:
-                self._copy(kind, device_slots, host_slots, on_layer)
+                steps, copy_step = self._copier(kind, device_slots, host_slots)
+                for step in range(steps):
+                    copy_step(step)
+                    if on_layer is not None and kind == "load":
+                        on_layer(step)
                 self._finish(ticket, kind, n, start, None)
             else:
                 self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start)
@@ -140,57 +193,54 @@ class HostTransferEngine:
                 self._finish(ticket, "load", tokens, start, repr(e))
 
     def _issue(self, kind, jobs, device_slots, host_slots, on_layer, afters) -> None:
-        """Queues one copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
-        concatenated), after the compute stream's `afters` events (None: all compute queued so far)."""
+        """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
+        concatenated), after the compute stream's `afters` events (None: all compute queued so far).
+        A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
         stream = self._streams[kind]
         if afters is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
         for after in afters or ():
             stream.wait_event(after)
-        layer_events = []
-
-        def landed(layer: int) -> None:
-            layer_events.append(torch.cuda.Event())
-            layer_events[-1].record(stream)
-            if on_layer is not None:
-                on_layer(layer)
-
-        with torch.cuda.stream(stream):
-            self._copy(kind, device_slots, host_slots, landed if kind == "load" else None)
-            event = torch.cuda.Event()
-            event.record(stream)
-        # Compute that reads the loaded pages waits for them through wait_layer (per layer).
+        with torch.cuda.stream(stream):  # the slot indices go to the device on that stream, before its copies
+            steps, copy_step = self._copier(kind, device_slots, host_slots)
+        queued = _Queued(stream, steps, copy_step, on_layer if kind == "load" else None)
+        queued.upto(LOAD_AHEAD if kind == "load" and LOAD_OVERLAP else steps - 1)
         for ticket, tokens, start in jobs:
-            self._pending[ticket] = _Pending(ticket, kind, tokens, start, event, tuple(layer_events))
+            self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued)
 
-    def _copy(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
+    def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor
+                ) -> tuple[int, Callable[[int], None]]:
+        """(steps, copy_step): a load copies layer i in step i; a backup copies every layer in
+        one step (one kernel launch or one driver call) where it can, else a step per layer."""
+        dev, host, layers = self.device_pool, self.host_pool, self.device_pool.num_layers
+        load = kind == "load"
         if self._layers is not None:
-            return self._copy_kernel(kind, device_slots, host_slots, on_layer)
-        dev, host = self.device_pool, self.host_pool
+            from hicache.kernels.transfer import copy_kv
+
+            dslots, hslots = self._to_device(device_slots), self._to_device(host_slots)
+            if load:
+                return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots,
+                                                 range(i, i + 1), to_host=False, max_blocks=LOAD_BLOCKS)
+            return 1, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers),
+                                        to_host=True)
+        if self._batch is not None:
+            dsts, srcs, sizes = page_copies(host, [dev.k_buffer(i) for i in range(layers)],
+                                            [dev.v_buffer(i) for i in range(layers)], host_slots, device_slots,
+                                            range(layers), to_host=not load)
+            if load:  # [2, L, runs]: layer i's K and V runs in one call
+                return layers, lambda i: self._batch.copy(dsts[:, i], srcs[:, i], sizes[:, i], False,
+                                                          self._streams["load"])
+            return 1, lambda i: self._batch.copy(dsts, srcs, sizes, True, self._streams["backup"])
         dslots = self._to_device(device_slots)
-        for layer in range(dev.num_layers):
-            if kind == "backup":
-                host.set_layer(layer, host_slots, dev.k_buffer(layer)[dslots], dev.v_buffer(layer)[dslots])
+
+        def copy_layer(i: int) -> None:
+            if load:
+                k, v = host.get_layer(i, host_slots)
+                dev.k_buffer(i)[dslots] = k.to(self.device, non_blocking=True)
+                dev.v_buffer(i)[dslots] = v.to(self.device, non_blocking=True)
             else:
-                k, v = host.get_layer(layer, host_slots)
-                dev.k_buffer(layer)[dslots] = k.to(self.device, non_blocking=True)
-                dev.v_buffer(layer)[dslots] = v.to(self.device, non_blocking=True)
-                if on_layer is not None:
-                    on_layer(layer)
-
-    def _copy_kernel(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> None:
-        from hicache.kernels.transfer import copy_kv
-
-        host, layers = self.host_pool, self.device_pool.num_layers
-        dslots, hslots = self._to_device(device_slots), self._to_device(host_slots)
-        if kind == "backup":
-            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers), to_host=True)
-            return
-        for layer in range(layers):
-            copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layer, layer + 1), to_host=False,
-                    max_blocks=LOAD_BLOCKS)
-            if on_layer is not None:
-                on_layer(layer)
+                host.set_layer(i, host_slots, dev.k_buffer(i)[dslots], dev.v_buffer(i)[dslots])
+        return layers, copy_layer
 
     def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
         """Slot indices on the device, through pinned memory on CUDA: a copy from pageable memory
@@ -210,9 +260,9 @@ class HostTransferEngine:
         """Transfers finished since the last poll, in completion order. Never blocks. Deferred
         loads stay deferred (`start_loads`)."""
         for p in list(self._pending.values()):
-            if p.event.query():
+            if p.queued.done():  # queues what the forward pass did not reach
                 del self._pending[p.ticket]
-                self._finish(p.ticket, p.kind, p.tokens, p.start, None)
+                self._finish(p.ticket, p.kind, p.tokens, p.start, p.queued.error)
         done, self._done = self._done, []
         return done
 
@@ -221,7 +271,9 @@ class HostTransferEngine:
         self.start_loads()
         p = self._pending.get(ticket)
         if p is not None:
-            p.event.synchronize()
+            p.queued.upto(p.queued.steps - 1)
+            if (event := p.queued.event(p.queued.steps - 1)) is not None:
+                event.synchronize()
 
     def wait_layer(self, ticket: int, layer: int | None = None) -> None:
         """Makes the current (compute) stream wait, on the device, until layer `layer` of load
@@ -232,8 +284,11 @@ class HostTransferEngine:
         p = self._pending.get(ticket)
         if p is None:
             return
-        event = p.layer_events[layer] if layer is not None and layer < len(p.layer_events) else p.event
-        torch.cuda.current_stream(self.device).wait_event(event)
+        last = p.queued.steps - 1
+        step = last if layer is None or p.kind != "load" else min(layer, last)
+        p.queued.upto(step + LOAD_AHEAD)
+        if (event := p.queued.event(step)) is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def in_flight(self) -> int:
         return len(self._pending) + len(self._deferred)
