@@ -383,6 +383,9 @@ def conversation(eng, clients: int, rounds: int, turn: int, rng: torch.Generator
                 host.disable()
                 print(f"\nround {r} under cProfile ({times[-1]:.2f} s with its overhead):")
                 pstats.Stats(host).sort_stats("tottime").print_stats(18)
+                print("our scheduler-side functions by cumulative time:")
+                pstats.Stats(host).sort_stats("cumulative").print_stats(
+                    r"(scheduler|controller|tree|runner|overlap|transfer|copy_engine|sampler|pool)\.py", 30)
         if traced:
             prof.export_chrome_trace(trace)
             trace_summary(trace, f"round {r}")
