@@ -1,4 +1,5 @@
-"""Fused Triton kernels of the Llama layer: RMSNorm, rotary embedding, SiLU-and-multiply.
+"""Fused Triton kernels of the Llama layer: RMSNorm (alone or after the residual add), rotary
+embedding, SiLU-and-multiply.
 
 Needs triton and a CUDA device; import this module lazily (the model does, on CUDA only). They
 replace chains of small torch ops (RMSNorm: ~7 kernels, RoPE of q and k: ~18, SiLU-mul: 2), which
@@ -40,6 +41,39 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rmsnorm[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps, BLOCK=block,
                                 num_warps=min(16, max(1, block // 256)))
     return out
+
+
+@triton.jit
+def _add_rmsnorm(X, Delta, W, Sum, Out, stride_x, stride_d, stride_s, stride_o, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(Delta + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + d).to(Sum.dtype.element_ty)
+    tl.store(Sum + row * stride_s + cols, total, mask=mask)
+    t = total.to(tl.float32)
+    normed = (t * tl.rsqrt(tl.sum(t * t, 0) / n + eps)).to(Out.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one launch: returns (x + delta rounded to x's
+    dtype, rmsnorm of that), both new [T, H]. x, delta [T, H] with contiguous rows."""
+    on_cuda(x=x, delta=delta, weight=weight)
+    require(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with contiguous rows, got {tuple(x.shape)}")
+    require(delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(1) == 1,
+            f"delta must be like x {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
+    require(weight.shape == (x.shape[1],) and weight.dtype == x.dtype and weight.is_contiguous(),
+            f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty_like(total)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _add_rmsnorm[(x.shape[0],)](x, delta, weight, total, out, x.stride(0), delta.stride(0), total.stride(0),
+                                    out.stride(0), x.shape[1], eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return total, out
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import math
 import re
+import types
 from typing import Any, Iterable
 
 import torch
@@ -31,12 +32,23 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 @functools.cache
 def _cuda_kernels():
-    """`hicache.kernels.fused` (Triton RMSNorm, RoPE, SiLU-mul) where triton is installed, else None."""
+    """The layer's Triton kernels (RMSNorm, add + RMSNorm, RoPE, SiLU-mul, few-row linear) where
+    triton is installed, else None."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from hicache.kernels import fused
+    from hicache.kernels import fused, linear
 
-    return fused
+    return types.SimpleNamespace(rmsnorm=fused.rmsnorm, add_rmsnorm=fused.add_rmsnorm, rope=fused.rope,
+                                 silu_mul=fused.silu_mul, linear_rows=linear.linear_rows, prefers_rows=linear.prefers)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T. On CUDA, decode-sized batches go through the Triton few-row kernel where it is
+    the faster one (`hicache.kernels.linear.prefers`), everything else through F.linear."""
+    kernels = _cuda_kernels() if x.is_cuda else None
+    if kernels is not None and kernels.prefers_rows(x, w):
+        return kernels.linear_rows(x, w)
+    return F.linear(x, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,6 +68,13 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:  # one launch instead of ~7
             return _cuda_kernels().rmsnorm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm: (x + delta, norm(x + delta)), one launch on CUDA."""
+        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:
+            return _cuda_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, rms_norm(total, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -137,10 +156,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return F.linear(out.reshape(T, self.q_size), self.o_proj)
+        return linear(out.reshape(T, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -151,11 +170,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj)
         if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
-            return F.linear(_cuda_kernels().silu_mul(gate_up), self.down_proj)
+            return linear(_cuda_kernels().silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -166,9 +185,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(config, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream entering the layer; normed: input_layernorm(x). Returns (stream
+        after attention, MLP output): the caller adds the two with the next norm (one launch)."""
+        x, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, positions, rope, batch))
+        return x, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,9 +212,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 (all requests' new tokens concatenated), on the model
         device. `batch.attn` is the attention backend. Returns [T, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, batch)
-        return self.norm(x)
+        normed = self.layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            x, delta = layer(x, normed, positions, self.rotary_emb, batch)
+            x, normed = next_norm.add_forward(x, delta)
+        return normed
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from hicache.runtime.models.llama import _rotate, rms_norm
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 if torch.cuda.is_available():
     pytest.importorskip("triton")
-    from hicache.kernels.fused import rmsnorm, rope, silu_mul
+    from hicache.kernels.fused import add_rmsnorm, rmsnorm, rope, silu_mul
 
 DEV = "cuda"
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
@@ -31,6 +31,20 @@ def test_rmsnorm(dtype, tokens, hidden):
     assert rel_err(out, want) < TOL[dtype]
     strided = torch.cat([x, x], dim=1)[:, :hidden]  # rows with a stride
     assert torch.equal(rmsnorm(strided, w, 1e-5), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (77, 576)])
+def test_add_rmsnorm(dtype, tokens, hidden):
+    gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
+    x, delta = ((3 * torch.randn(tokens, hidden, generator=gen, device=DEV)).to(dtype) for _ in range(2))
+    w = torch.randn(hidden, generator=gen, device=DEV).to(dtype)
+    total, out = add_rmsnorm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)  # the residual stream is rounded as torch rounds it
+    assert rel_err(out, rms_norm(x + delta, w, 1e-5)) < TOL[dtype]
+    assert torch.equal(out, rmsnorm(x + delta, w, 1e-5))
+    with pytest.raises(ValueError, match="delta"):
+        add_rmsnorm(x, delta[:, :-1], w, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
