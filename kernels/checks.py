@@ -1,5 +1,8 @@
-"""Argument checks shared by the Triton launchers: each raises ValueError naming the argument."""
+"""Argument checks shared by the Triton launchers (each raises ValueError naming the argument),
+and their one launch helper, `pipeline_stages`."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -50,3 +53,11 @@ def heads(q: torch.Tensor, k_buffer: torch.Tensor) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 products (tf32 would miss the 1e-4 tolerance)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def pipeline_stages(device: torch.device, tile_bytes: int, depths: tuple[int, ...]) -> int:
+    """The first of `depths` (deepest first) whose tiles fit in one program's shared memory on
+    `device` beside a 16 KiB margin, else the last: tuned depths on Hopper, shallower elsewhere."""
+    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return next((d for d in depths if d * tile_bytes + 16 * 1024 <= smem), depths[-1])

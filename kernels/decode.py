@@ -8,13 +8,12 @@ Reference: `hicache.kernels.attention.decode_attention` (with slot_table = req_t
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from hicache.kernels.checks import dot_precision, heads, index_vector, kv_buffers, on_cuda, require
+from hicache.kernels.checks import (dot_precision, heads, index_vector, kv_buffers, on_cuda, pipeline_stages,
+                                    require)
 
 BLOCK_N = 64
 MAX_SPLITS = 64
@@ -88,14 +87,6 @@ def _decode_merge(PartOut, PartLse, Out, stride_pb, stride_ph, stride_ps, stride
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
-@functools.cache
-def _stages(device: torch.device, tile_bytes: int) -> int:
-    """Pipeline depth of the split kernel's K/V loads: 3 where three tiles fit in shared memory
-    with a margin, else 2 (tuned on an H200: benchmarks/RESULTS.md, issue 6)."""
-    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-    return 3 if 3 * tile_bytes + 16 * 1024 <= smem else 2
-
-
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
     """Enough (request, head, range) programs to fill the GPU about twice, at least a block each."""
     by_len = triton.cdiv(max_len, BLOCK_N)
@@ -132,13 +123,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 32 if q.dtype == torch.float32 and d > 64 else BLOCK_N
+    stages = pipeline_stages(device, 2 * block_n * d * q.element_size(), (3, 2))  # 2 warps, 3 stages: tuned on an H200
     _decode_split[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, seq_lens, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, D=d, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
-        num_warps=2, num_stages=_stages(device, 2 * block_n * d * q.element_size()))
+        num_warps=2, num_stages=stages)
     _decode_merge[(batch, num_heads)](
         part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), num_splits,

@@ -8,13 +8,11 @@ several loads of W deep. fp32 accumulation; 16-bit dtypes only. Reference: `torc
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from hicache.kernels.checks import on_cuda, require
+from hicache.kernels.checks import on_cuda, pipeline_stages, require
 
 MAX_ROWS = 16
 BLOCK_N = 32
@@ -48,14 +46,6 @@ def prefers(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.is_contiguous() and w.shape[0] <= w.shape[1])
 
 
-@functools.cache
-def _stages(device: torch.device, tile_bytes: int) -> int:
-    """Loads of W in flight: 6 where they fit in shared memory with a margin (tuned on an H200:
-    benchmarks/RESULTS.md, issue 6), fewer on smaller parts."""
-    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-    return max((s for s in (6, 4, 3) if s * tile_bytes + 16 * 1024 <= smem), default=2)
-
-
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= 16, rows contiguous), w [N, K] contiguous, both bf16 or both fp16 -> new [M, N]."""
     device = on_cuda(x=x, w=w)
@@ -67,8 +57,9 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             f"x and w must be both bf16 or both fp16, got {x.dtype} and {w.dtype}")
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m:
+    if m:  # 2 warps, up to 6 loads of W in flight: tuned on an H200 (benchmarks/RESULTS.md, issue 6)
+        stages = pipeline_stages(device, BLOCK_N * BLOCK_K * x.element_size(), (6, 4, 3, 2))
         _linear_rows[(triton.cdiv(n, BLOCK_N),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
                                                  BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                 num_warps=2, num_stages=_stages(device, BLOCK_N * BLOCK_K * x.element_size()))
+                                                 num_warps=2, num_stages=stages)
     return out
