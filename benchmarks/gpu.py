@@ -6,7 +6,8 @@
 
 Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
 device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
-8192^3. Parts: `kernels` (one layer's decode / extend attention, then `transfers`: 32k-token
+8192^3. Parts: `kernels` (one layer's decode / extend attention, decode-sized linears through
+cuBLAS and through the Triton few-row kernel, then `transfers`: 32k-token
 load-back, also with the engine's cap on programs, and backup),
 `l1` (decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k
 prefill, through the Engine), `l2` (an
@@ -137,7 +138,31 @@ def kernels(f: dict) -> dict:
         row(f"extend attention, 1 layer, prefix {prefix} + {ext} new", f"{t * 1e3:.2f} ms",
             f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
         del k, v
+    out |= linears(f)
     out |= transfers(f)
+    return out
+
+
+def linears(f: dict) -> dict:
+    """Decode-sized linears, cuBLAS (F.linear) against the Triton few-row kernel, per Llama weight:
+    8 copies of the weight (past L2) in one CUDA graph, per-launch median."""
+    from hicache.kernels.linear import linear_rows, prefers
+
+    out = {}
+    shapes = {"q/k/v": (HQ * D + 2 * HKV * D, 4096), "o": (4096, HQ * D), "gate/up": (2 * 14336, 4096),
+              "down": (4096, 14336)}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+        floor = n * k * 2 / f["d2d_bytes_per_s"]
+        for m in (1, 16):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = graph_timed(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
+            ours = graph_timed(lambda: [linear_rows(x, w) for w in ws]) / len(ws)
+            out[f"linear_{name}_m{m}_cublas_s"], out[f"linear_{name}_m{m}_triton_s"] = cublas, ours
+            row(f"linear {name} {n}x{k}, {m} rows: cuBLAS / Triton (the model takes "
+                f"{'Triton' if prefers(x, ws[0]) else 'cuBLAS'})", f"{cublas * 1e6:.1f} / {ours * 1e6:.1f} us",
+                f"{cublas / floor:.2f}x / {ours / floor:.2f}x the weight-read floor")
+        del ws
     return out
 
 

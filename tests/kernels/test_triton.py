@@ -233,7 +233,7 @@ def scattered_pages(n: int) -> torch.Tensor:
 def test_transfer_engine_load_waits_per_layer(io_backend):
     """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
     next after layer i of the load alone (what the forward pass does before layer i's attention).
-    The pages are scattered; the Triton gather kernel copies them."""
+    The pages are scattered; the Triton gather kernel or the copy engines copy them."""
     layers, n = 8, 32768  # 1 GiB: ~20 ms at the pinned H2D rate
     eng, dev, host = transfer_engine(layers, n, io_backend)
     slots, dst = scattered_pages(n), torch.arange(n)
