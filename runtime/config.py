@@ -22,7 +22,7 @@ class RuntimeConfig:
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
     attention_backend: str = field(default="auto", metadata={"help": "Attention kernels: auto (triton on CUDA, torch on CPU), triton (CUDA) or torch (the reference path)."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton backend)."})
-    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of decode step t+1 with the device's step t (overlap is on by default on CUDA)."})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t (overlap is on by default on CUDA)."})
     enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 

@@ -15,9 +15,20 @@ a step's results are applied one `step()` later:
   host-side history complete (penalties work; ids and log-probs go to the host together). A
   request that finished at step t (stop token, stop string) had its next position computed too:
   that KV slot lies past its `kv_len`, so its release frees it and no token of it is emitted.
+- A step that follows a prefill step t running every running request is planned *ahead*
+  (`Scheduler.schedule(after=t)`) when it can be: the next chunks of t's unfinished prompts
+  (starting where t's chunks end) and admissions from the queue, with their load-backs. It is
+  launched before step t's results are applied, so that the host's work between prefill steps
+  (folding in results, write-through backups, matching, eviction, the next batch's tensors) runs
+  while the device computes. It takes memory only from the free pool and the tree (no
+  retraction: t's requests still own their slots), leaves failed loads to t's results (a request
+  of the new step retracted then has that step's results dropped and its sampler rewound), and
+  leaves waiting a request that shares a page past its cached prefix with a request of t, which
+  may give that page to the tree once applied. Otherwise the step drains.
 - Any other step drains: step t's results are applied, then `schedule()` plans as without
   overlap (admission, chunked prefill, retraction, load-backs); that plan is launched and applied
-  at the next step. Prefill and load-back steps and a changing batch therefore cost one sync.
+  at the next step. A changing batch (decode after prefill, admission beside decoding requests,
+  retraction) therefore costs one sync.
 - `abort` of a request in the launched step applies that step first.
 
 Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
@@ -49,7 +60,8 @@ class OverlapLoop:
         self.sched = sched
         self.inflight: Launched | None = None  # launched, not applied
         self._blocked_at: tuple | None = None  # queue state when schedule() last left requests waiting
-        self.continued = 0  # steps launched before the previous one was applied
+        self.continued = 0  # decode steps launched before the previous one was applied
+        self.ahead = 0  # prefill steps launched before the previous one was applied
 
     def step(self) -> None:
         prev, self.inflight = self.inflight, None
@@ -58,12 +70,21 @@ class OverlapLoop:
             plan, keep = cont
             self.continued += 1
             rows, logits = self.sched.runner.forward(plan, _gather(prev.step.next_ids, keep))
+        ahead = self._ahead(prev) if cont is None and prev is not None else None
+        if ahead is not None:
+            plan = ahead
+            self.ahead += 1
+            rows, logits = self.sched.runner.forward(plan)
         if prev is not None:
             self.sched.process_result(prev.plan, prev.step.result())
         if cont is not None:
             plan, logits = self._still_running(plan, logits)
+            rows = list(range(len(plan.reqs)))
+        elif ahead is not None:
+            self._blocked_at = None
+        if cont is not None or ahead is not None:  # sampled once the host has step t's results
             if plan.reqs:
-                self.inflight = Launched(plan, self.sched.runner.sample(plan, list(range(len(plan.reqs))), logits))
+                self.inflight = Launched(plan, self.sched.runner.sample(plan, rows, logits))
             return
         plan = self.sched.schedule()
         self._blocked_at = self._queue_state() if self.sched.waiting and (plan is None or plan.mode == "decode") else None
@@ -101,6 +122,22 @@ class OverlapLoop:
         n = len(keep)
         return BatchPlan("decode", [plan.reqs[i] for i in keep], [plan.starts[i] + 1 for i in keep], [1] * n,
                          [True] * n), keep
+
+    # ---- a prefill step launched ahead ------------------------------------------------------
+
+    def _ahead(self, prev: Launched) -> BatchPlan | None:
+        """After a prefill step that runs every running request, the next step can only be more
+        prefill: the next chunks of its prompts and admissions from the queue. It is planned
+        (`Scheduler.schedule(after=...)`) and its forward pass queued before `prev`'s results are
+        applied; it samples after them (a sampler that syncs then waits for its own pass only,
+        not `prev`'s outputs). None when a request outside `prev` runs, or nothing was planned."""
+        s, plan = self.sched, prev.plan
+        if plan.mode != "extend" or (all(plan.sample) and not s.waiting):
+            return None
+        launched = {id(r) for r in plan.reqs}
+        if any(id(r) not in launched for r in s.running):
+            return None
+        return s.schedule(after=plan)
 
     def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, torch.Tensor]:
         """The continuation less the requests that finished at the step before it."""

@@ -147,9 +147,17 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
 
-    def schedule(self) -> BatchPlan | None:
-        self._poll_transfers()
-        plan = self._schedule_prefill() or self._schedule_decode()
+    def schedule(self, after: BatchPlan | None = None) -> BatchPlan | None:
+        """The next step's plan. `after`: a launched prefill step whose results are not applied
+        yet (overlap scheduling, runtime/overlap.py); then the plan holds the next chunks of its
+        unfinished prompts and admissions from the queue, nothing else. It retracts nothing and
+        leaves failed load-backs to the next `process_result`: the device may still be writing
+        the slots of `after`'s requests."""
+        if after is not None:
+            plan = self._schedule_prefill(after)
+        else:
+            self._poll_transfers()
+            plan = self._schedule_prefill() or self._schedule_decode()
         tickets = frozenset().union(*(r.wait_tickets for r in plan.reqs)) if plan is not None else None
         if tickets:  # load-backs in flight (or failed, unreported): each layer's attention waits for its
             # own layer, on the device; process_result settles them before any token goes out
@@ -179,20 +187,32 @@ class Scheduler:
             req.wait_tickets = frozenset()
         return True
 
-    def _schedule_prefill(self) -> BatchPlan | None:
+    def _schedule_prefill(self, after: BatchPlan | None = None) -> BatchPlan | None:
+        """A prefill batch: running requests' next chunks, then admissions in policy order. With
+        `after` (launched, not applied), the running requests are its own: their next chunks start
+        where its chunks end, and memory comes from the free pool and the tree only."""
         if self.storage is not None and self.waiting:
             self.storage.grace()
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.rc.max_prefill_tokens
-        for req in sorted(self.running, key=lambda r: r.arrival_seq):
+        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
+        if after is not None:
+            for req, start, n, sample in zip(after.reqs, after.starts, after.extend_lens, after.sample):
+                if sample:
+                    continue
+                added = self._add_chunk(plan, req, budget, start=start + n) if budget > 0 else 0
+                if added == 0:  # no budget, or no room without retracting: plan once `after` is applied
+                    return None
+                budget -= added
+        for req in sorted(self.running, key=lambda r: r.arrival_seq) if after is None else ():
             if req in self.running and req.kv_len < req.seq_len - 1 and self._kv_ready(req):
                 budget -= self._add_chunk(plan, req, budget)
         for req in self._ordered_waiting():
-            if budget <= 0 or len(self.running) >= self.rc.max_running_requests:
-                break
+            if budget <= 0 or len(self.running) >= self.rc.max_running_requests or id(req) in ahead:
+                break  # (one retracted from the launched step waits until that step is applied)
             if not self._storage_ready(req):
                 continue
-            n = self._admit(req, budget)
+            n = self._admit(req, budget, after)
             if n == 0:
                 break
             if self._kv_ready(req):
@@ -225,15 +245,20 @@ class Scheduler:
             n = min(n, self.rc.chunked_prefill_size)
         return n
 
-    def _admit(self, req: Req, budget: int) -> int:
+    def _admit(self, req: Req, budget: int, after: BatchPlan | None = None) -> int:
         """Match the prefix (L1, then L2), lock it, take a table row, load the L2 part back into
         fresh L1 pages (all or nothing) and take the slots of the first chunk.
-        Returns the chunk length, or 0 (nothing held) when memory is short."""
+        Returns the chunk length, or 0 (nothing held) when memory is short, or when a request of
+        the launched step `after` may give the tree more of this prompt once applied."""
         match = self.cache.match(req.all_ids[:-1], req.namespace)
+        if after is not None and self._would_grow(req, match.device_slots.numel() + match.host_hit_tokens, after.reqs):
+            return 0
+        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         self.cache.lock(match.last_node)
         req.last_node, req.slots = match.last_node, match.device_slots
         req.prefix_len = req.kv_len = req.slots.numel()
-        headroom = self.page_size * sum(1 for r in self.running if r.kv_len >= r.seq_len - 1)
+        # room for the next token of each decoding request (those of a launched step decode next)
+        headroom = self.page_size * sum(1 for r in self.running if r.kv_len >= r.seq_len - 1 or id(r) in ahead)
         req.row = self.req_table.alloc()
         host = self._load_back(req, match, budget, headroom) if req.row is not None else 0
         if host is None:  # L2 holds more of the prompt than L1 has room for yet: wait, not recompute
@@ -258,6 +283,15 @@ class Scheduler:
             self.counters["cached_storage"] += storage
         return n
 
+    def _would_grow(self, req: Req, matched: int, launched: list[Req]) -> bool:
+        """True when a request of the launched step shares at least a page of `req`'s prompt past
+        the `matched` tokens the tree holds: once that step is applied and the request finished,
+        the tree may hold it, so `req` waits for it rather than computing it again."""
+        upto = matched + self.page_size
+        ids = req.all_ids[:upto]
+        return len(req.all_ids) > upto and any(
+            r.namespace == req.namespace and r.all_ids[:upto] == ids for r in launched)
+
     def _load_back(self, req: Req, match, budget: int, headroom: int) -> int | None:
         """Bring the L2 part of `match` back to L1 with room for the first chunk after it; extends
         req.slots and moves its lock. Returns the tokens loaded (0: none, the request recomputes
@@ -271,14 +305,23 @@ class Scheduler:
         req.last_node, req.slots = loaded.last_node, torch.cat([req.slots, loaded.device_slots])
         return loaded.device_slots.numel()
 
-    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False) -> int:
-        n = self._chunk_len(req, budget)
-        if n <= 0 or not (allocated or self._make_room(req, req.kv_len + n)):
+    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False,
+                   start: int | None = None) -> int:
+        """The request's next chunk, from `kv_len` (or `start`: where a launched, unapplied
+        chunk ends; then memory is taken without retracting anyone)."""
+        n = self._chunk_len(req, budget, start)
+        if n <= 0:
+            return 0
+        if start is None:
+            if not (allocated or self._make_room(req, req.kv_len + n)):
+                return 0
+            start = req.kv_len
+        elif not self._ensure_slots(req, start + n):
             return 0
         plan.reqs.append(req)
-        plan.starts.append(req.kv_len)
+        plan.starts.append(start)
         plan.extend_lens.append(n)
-        plan.sample.append(req.kv_len + n == req.seq_len)
+        plan.sample.append(start + n == req.seq_len)
         return n
 
     def _schedule_decode(self) -> BatchPlan | None:
@@ -375,10 +418,11 @@ class Scheduler:
         """Before a token sampled over loaded-back pages goes out, those loads must have landed (on
         CUDA they have: the pass waited for them and the sampler synced). A request whose load
         failed is retracted and recomputed; returns their ids, whose results are dropped (and
-        whose sampler is rewound)."""
+        whose sampler is rewound). So are those retracted while this plan was in flight (a step
+        launched ahead of the one before it: that step's results reported their failed loads)."""
         if any(r.wait_tickets and s for r, s in zip(plan.reqs, plan.sample)):
             self.cache.settle_loads(frozenset().union(*(r.wait_tickets for r in plan.reqs)))
-        dropped = {id(r) for r in self._poll_transfers()}
+        dropped = {id(r) for r in self._poll_transfers()} | {id(r) for r in plan.reqs if not r.holds_kv}
         for req in plan.reqs:
             if id(req) in dropped and id(req) in plan.rng_states:
                 req.generator.set_state(plan.rng_states[id(req)])

@@ -17,6 +17,7 @@ from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.scheduler import Scheduler
+from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -195,3 +196,102 @@ def test_engine_n_seeded_and_flags(tiny_config_path):
     add_dataclass_flags(parser, RuntimeConfig, "runtime")
     assert config_from_args(RuntimeConfig, parser.parse_args(["--disable-overlap-schedule"])).disable_overlap_schedule
     assert not config_from_args(RuntimeConfig, parser.parse_args([])).disable_overlap_schedule
+
+
+
+def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):
+    """Rounds of `n_convs` conversations arriving at once (round r at step 60 r), each turn `turn`
+    new tokens and one output token (three for c5), the prefill-bound shape of
+    benchmarks/compare.py; pairs of conversations open with the same `stem` tokens."""
+    rng = random.Random(6)
+    stems = [[rng.randrange(3, 500) for _ in range(stem)] for _ in range(n_convs // 2)]
+    convs = [stems[i // 2] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 40))] for i in range(n_convs)]
+
+    def script():
+        arrivals, history = {}, [list(c) for c in convs]
+        for r in range(rounds):
+            new = [11 + r + j for j in range(turn)]
+            arrivals[60 * r] = [GenerateRequest(f"c{i}-{r}", h + new, dict(GREEDY, max_new_tokens=3 if i == 5 else 1))
+                                for i, h in enumerate(history)]
+            history = [h + new + [7] for h in history]
+        return arrivals
+    return script
+
+
+def test_prefill_steps_launched_ahead(tiny_config_path):
+    """Each prefill step is planned and launched before the previous one's results are applied,
+    with the next chunks of its prompts and admissions whose prefixes load back from L2. Loads land
+    only when the forward pass waits for their layers (a pass that read a page before its layer
+    landed would give other outputs)."""
+    script = multiturn(12, 40)
+    outs, launched = [], []
+    for overlap in (False, True):
+        sched = scheduler(tiny_config_path, overlap, total=640, hicache_ratio=8.0)
+        sched.cache.transfer = LazyTransfer(sched.cache.transfer, sched.pool, sched.cache.host_pool)
+        if overlap:
+            ahead = sched.overlap._ahead
+
+            def spy(prev, ahead=ahead):
+                got = ahead(prev)
+                launched.extend([got] if got is not None else [])
+                return got
+            sched.overlap._ahead = spy
+        outs.append(run(sched, script()))
+        assert sched.stats()["tiers"]["host"]["loaded_back_tokens"] > 0
+    plain, overlapped = outs
+    assert len(launched) == sched.overlap.ahead > 0
+    assert any(a.kv_wait is not None for a in launched), "no step launched ahead loaded back from L2"
+    assert any(not all(a.sample) for a in launched), "no chunked prompt continued ahead"
+    assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
+    for rid in plain:  # what the step before was about to give the tree is not computed again
+        assert overlapped[rid]["meta"]["cached_tokens"] >= plain[rid]["meta"]["cached_tokens"]
+
+
+def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path):
+    rng = random.Random(7)
+    stem = [rng.randrange(3, 500) for _ in range(24)]
+    sched = scheduler(tiny_config_path, True)
+    sched.add_request(GenerateRequest("a", stem + [rng.randrange(3, 500) for _ in range(60)], dict(GREEDY, max_new_tokens=1)))
+    sched.step()  # a's first chunk (48 tokens) is launched
+    sched.add_request(GenerateRequest("c", [rng.randrange(3, 500) for _ in range(20)], dict(GREEDY, max_new_tokens=1)))
+    sched.add_request(GenerateRequest("b", stem + [5, 6, 7, 8, 9], dict(GREEDY, max_new_tokens=1)))
+    sched.step()  # launched ahead: a's last chunk and c, not b (a gives the tree its stem once applied)
+    assert [r.rid for r in sched.overlap.inflight.plan.reqs] == ["a", "c"] and sched.overlap.ahead == 1
+    assert [r.rid for r in sched.waiting] == ["b"]
+    out = {}
+    while sched.has_work():
+        for o in sched.step():
+            out[o.rid] = o
+        sched.check_integrity()
+    assert out["b"].meta["cached_tokens"] == 24 and out["c"].meta["cached_tokens"] == 0
+
+
+def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
+    """A step launched ahead admits a request whose load-back fails; the step before it reports the
+    failure while it is in flight: the request is retracted then, what its step sampled is dropped
+    (its sampler rewound) and it is recomputed, with the outputs of a cache-less run."""
+    sampled = {"temperature": 1.0, "top_k": 50, "seed": 1234, "max_new_tokens": 4}
+    rng = random.Random(8)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(6)]
+    ref = scheduler(tiny_config_path, False, disable_radix_cache=True)
+    ref.add_request(GenerateRequest("b1", convs[1] + [7], sampled))
+    want = run(ref, {})["b1"]["ids"]
+
+    sched = scheduler(tiny_config_path, True, total=256, hicache_ratio=8.0)
+    sched.cache.transfer = LateTransfer(sched.cache.transfer)
+    faults = Faults(sched)
+    run(sched, {i: [GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
+    sched.add_request(GenerateRequest("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))
+    sched.step()  # b0 loads its prefix back and is launched
+    assert sched.overlap.inflight.plan.kv_wait is not None
+    sched.add_request(GenerateRequest("b1", convs[1] + [7], sampled))
+    faults.arm()  # b1's load-back fails; the engine reports it one poll late
+    ahead = sched.overlap.ahead
+    outs = sched.step()  # b1 launched ahead, then b0 applied: it reports b1's failure
+    assert sched.overlap.ahead == ahead + 1 and sched.overlap.holds("b1")
+    assert [r.rid for r in sched.waiting] == ["b1"] and sched.waiting[0].load_back_failed
+    assert [o.rid for o in outs] == ["b0"] and sched.stats()["retractions"] == 1
+    sched.check_integrity()
+    got = run(sched, {})
+    assert got["b1"]["ids"] == want
+    assert sched.stats()["tiers"]["host"]["transfer_failures"] == 1
