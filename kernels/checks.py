@@ -1,10 +1,18 @@
 """Argument checks shared by the Triton launchers (each raises ValueError naming the argument),
-and their one launch helper, `pipeline_stages`."""
+and their launch helpers, `pipeline_stages` and `num_sms`.
+
+Under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is imported) the kernels run
+on CPU tensors, in numpy: slow, fp32 and fp16 only (its bf16 gives wrong numbers), but the same
+kernel code, which is how the CPU-only CI checks them (tests/kernels/conftest.py).
+"""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def require(ok: bool, message: str) -> None:
@@ -13,11 +21,11 @@ def require(ok: bool, message: str) -> None:
 
 
 def on_cuda(**tensors: torch.Tensor) -> torch.device:
-    """All tensors on one CUDA device; returns it."""
+    """All tensors on one CUDA device (or on the CPU under the interpreter); returns it."""
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
     for name, dev in devices.items():
-        require(dev.type == "cuda", f"{name} must be a CUDA tensor, got {dev}")
+        require(dev.type == "cuda" or (INTERPRETED and dev.type == "cpu"), f"{name} must be a CUDA tensor, got {dev}")
         require(dev == first, f"{name} is on {dev}, the others on {first}")
     return first
 
@@ -59,5 +67,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 def pipeline_stages(device: torch.device, tile_bytes: int, depths: tuple[int, ...]) -> int:
     """The first of `depths` (deepest first) whose tiles fit in one program's shared memory on
     `device` beside a 16 KiB margin, else the last: tuned depths on Hopper, shallower elsewhere."""
+    if device.type != "cuda":
+        return depths[-1]
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
     return next((d for d in depths if d * tile_bytes + 16 * 1024 <= smem), depths[-1])
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; under the interpreter, a small GPU's 8."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hicache.kernels.checks import (dot_precision, heads, index_vector, kv_buffers, on_cuda, pipeline_stages,
+from hicache.kernels.checks import (dot_precision, heads, index_vector, kv_buffers, num_sms, on_cuda, pipeline_stages,
                                     require)
 
 BLOCK_N = 64
@@ -111,8 +111,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             f"req_to_token must be [R, C] int32/int64 with contiguous rows, got {tuple(req_to_token.shape)} {req_to_token.dtype}")
     if num_splits is None:
         max_len = int(seq_lens.max()) if batch else 1
-        num_splits = default_num_splits(batch, k_buffer.shape[1], max_len,
-                                        torch.cuda.get_device_properties(device).multi_processor_count)
+        num_splits = default_num_splits(batch, k_buffer.shape[1], max_len, num_sms(device))
     require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if out is None:
         out = torch.empty_like(q)

@@ -1,26 +1,28 @@
-"""Fused Triton RMSNorm, RoPE and SiLU-mul vs the model's torch code on the same GPU tensors (CUDA only)."""
+"""Fused Triton RMSNorm, RoPE and SiLU-mul vs the model's torch code on the same tensors (on CUDA,
+or on the CPU under Triton's interpreter: kernel_env)."""
 from __future__ import annotations
 
+import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
 
 from hicache.runtime.models.llama import _rotate, rms_norm
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-if torch.cuda.is_available():
-    pytest.importorskip("triton")
+pytestmark = env.kernels
+if env.CUDA or env.INTERPRETED:
     from hicache.kernels.fused import add_rmsnorm, rmsnorm, rope, silu_mul
 
-DEV = "cuda"
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+DEV = env.DEV
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
+HALF = env.half(torch.bfloat16)
 
 
 def rel_err(out, want):
     return float((out.float() - want.float()).norm() / want.float().norm())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (77, 576), (1000, 4096)])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
+@pytest.mark.parametrize("tokens,hidden", env.sizes([(1, 4096), (77, 576), (1000, 4096)], [(1, 4096), (77, 576)]))
 def test_rmsnorm(dtype, tokens, hidden):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
     x = (3 * torch.randn(tokens, hidden, generator=gen, device=DEV)).to(dtype)
@@ -33,7 +35,7 @@ def test_rmsnorm(dtype, tokens, hidden):
     assert torch.equal(rmsnorm(strided, w, 1e-5), out)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
 @pytest.mark.parametrize("tokens,hidden", [(1, 4096), (77, 576)])
 def test_add_rmsnorm(dtype, tokens, hidden):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
@@ -47,11 +49,11 @@ def test_add_rmsnorm(dtype, tokens, hidden):
         add_rmsnorm(x, delta[:, :-1], w, 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
+@pytest.mark.parametrize("hq,hk,d", env.sizes([(32, 8, 128), (9, 3, 64)], [(8, 2, 128), (9, 3, 64)]))
 def test_rope_on_strided_qk(dtype, hq, hk, d):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
-    t, positions_max = 300, 40_000
+    t, positions_max = env.sizes(300, 40), 40_000
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen, device=DEV).to(dtype)  # as the fused projection
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
@@ -66,8 +68,8 @@ def test_rope_on_strided_qk(dtype, hq, hk, d):
     assert q_out.is_contiguous() and q_out.dtype == dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,inter", [(1, 14336), (129, 1536)])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
+@pytest.mark.parametrize("tokens,inter", env.sizes([(1, 14336), (129, 1536)], [(1, 14336), (9, 1536)]))
 def test_silu_mul(dtype, tokens, inter):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
     x = (2 * torch.randn(tokens, 2 * inter, generator=gen, device=DEV)).to(dtype)
@@ -79,8 +81,9 @@ def test_launchers_reject_bad_arguments():
     x = torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="weight"):
         rmsnorm(x, torch.zeros(64, device=DEV), 1e-5)
-    with pytest.raises(ValueError, match="CUDA"):
-        rmsnorm(x.cpu(), torch.zeros(64, dtype=torch.bfloat16), 1e-5)
+    if env.CUDA:  # (the interpreter takes CPU tensors)
+        with pytest.raises(ValueError, match="CUDA"):
+            rmsnorm(x.cpu(), torch.zeros(64, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="2I"):
         silu_mul(torch.zeros(2, 7, device=DEV))
     q = torch.zeros(2, 4, 64, device=DEV, dtype=torch.bfloat16)

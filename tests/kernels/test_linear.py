@@ -1,27 +1,28 @@
-"""Triton few-row linear (decode-sized batches) vs torch's, on fresh random GPU tensors (CUDA only)."""
+"""Triton few-row linear (decode-sized batches) vs torch's, on fresh random tensors (on CUDA, or on
+the CPU under Triton's interpreter: kernel_env)."""
 from __future__ import annotations
 
+import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hicache.runtime.models import llama
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-if torch.cuda.is_available():
-    pytest.importorskip("triton")
+pytestmark = env.kernels
+if env.CUDA or env.INTERPRETED:
     from hicache.kernels.linear import MAX_ROWS, linear_rows
 
-DEV = "cuda"
+DEV = env.DEV
 
 
 def rel_err(out, want):
     return float((out.float() - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", sorted({env.half(torch.bfloat16), torch.float16}, key=str))
 @pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (4096, 14336), (100, 300)])
+@pytest.mark.parametrize("n,k", env.sizes([(6144, 4096), (28672, 4096), (4096, 14336), (100, 300)], [(256, 1024), (100, 300)]))
 def test_linear_rows_matches_torch(dtype, rows, n, k):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
     x = torch.randn(rows, k, generator=gen, device=DEV).to(dtype)
@@ -31,6 +32,7 @@ def test_linear_rows_matches_torch(dtype, rows, n, k):
     assert rel_err(out, F.linear(x.float(), w.float())) < 1e-2
 
 
+@env.needs_cuda  # llama.linear dispatches to the kernel on CUDA tensors only
 def test_model_linear_takes_the_kernel_where_it_is_preferred():
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
     deep = torch.randn(256, 512, generator=gen, device=DEV).to(torch.bfloat16)  # o/down-shaped: N <= K
@@ -51,5 +53,6 @@ def test_linear_rows_rejects_bad_arguments():
         linear_rows(torch.zeros(2, 32, device=DEV), w.float())
     with pytest.raises(ValueError, match="contiguous"):
         linear_rows(torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16), w.t())
-    with pytest.raises(ValueError, match="CUDA"):
-        linear_rows(torch.zeros(2, 32, dtype=torch.bfloat16), w)
+    if env.CUDA:  # (the interpreter takes CPU tensors)
+        with pytest.raises(ValueError, match="CUDA"):
+            linear_rows(torch.zeros(2, 32, dtype=torch.bfloat16), w)

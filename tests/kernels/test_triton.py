@@ -1,28 +1,31 @@
-"""Triton kernels vs the torch reference on fresh random inputs (CUDA only; skipped elsewhere).
+"""Triton kernels vs the torch reference on fresh random inputs: on CUDA, or on the CPU under
+Triton's interpreter with smaller shapes and fp16 for bf16 (kernel_env); the transfer kernel and
+engine need CUDA.
 
 Tolerances (issue 6): relative error (norm of the difference / norm of the reference) under 1e-2
-in bf16 and under 1e-4 in fp32. The reference runs in fp32 on the same (rounded) inputs.
+in bf16 (and fp16) and under 1e-4 in fp32. The reference runs in fp32 on the same (rounded) inputs.
 """
 from __future__ import annotations
 
 import time
 
+import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
 
 from hicache.kernels import attention as ref
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-if torch.cuda.is_available():
-    triton = pytest.importorskip("triton")
+pytestmark = env.kernels
+if env.CUDA or env.INTERPRETED:
     from hicache.kernels.decode import decode_attention
     from hicache.kernels.extend import extend_attention
     from hicache.kernels.store import store_kv
     from hicache.kernels.transfer import copy_kv, layer_pointers
 
-DEV = "cuda"
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
-GROUPS = [(8, 8), (32, 8), (32, 4)]  # (Hq, Hkv): GQA 1, 4, 8
+DEV = env.DEV
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+HALF = env.half(torch.bfloat16)
+GROUPS = env.sizes([(8, 8), (32, 8), (32, 4)], [(2, 2), (8, 2), (8, 1)])  # (Hq, Hkv): GQA 1, 4, 8
 
 
 def fresh_gen() -> torch.Generator:
@@ -62,13 +65,13 @@ def random_pool(num_slots: int, hkv: int, d: int, dtype, gen) -> tuple[torch.Ten
             torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
 @pytest.mark.parametrize("hq,hkv", GROUPS)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("d", [128, 64])
 def test_decode_ragged(dtype, hq, hkv, page_size, d):
     gen = fresh_gen()
-    lens = [1, 17, 300, 64, 1000, 2049, 5, 30000]
+    lens = env.sizes([1, 17, 300, 64, 1000, 2049, 5, 30000], [1, 17, 300, 64, 5, 700])
     slots, num_slots = paged_slots(lens, page_size, gen)
     k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
     table, rows = table_of(slots)
@@ -83,15 +86,17 @@ def test_decode_ragged(dtype, hq, hkv, page_size, d):
             assert rel_err(out[i], want[i]) < TOL[dtype], (splits, i)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
 @pytest.mark.parametrize("hq,hkv", GROUPS)
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("batch", ["ragged", "long_prefix"])
 def test_extend_with_prefix(dtype, hq, hkv, page_size, batch):
     gen = fresh_gen()
     d = 128
-    prefixes, extends = {"ragged": ([0, 0, 37, 500, 1000, 64], [1, 200, 129, 1, 300, 64]),
-                         "long_prefix": ([30000, 0], [100, 257])}[batch]
+    prefixes, extends = env.sizes({"ragged": ([0, 0, 37, 500, 1000, 64], [1, 200, 129, 1, 300, 64]),
+                                   "long_prefix": ([30000, 0], [100, 257])},
+                                  {"ragged": ([0, 0, 37, 100, 64], [1, 70, 129, 1, 64]),
+                                   "long_prefix": ([1000, 0], [30, 70])})[batch]
     slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], page_size, gen)
     k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
     table, rows = table_of(slots)
@@ -109,7 +114,7 @@ def test_extend_with_prefix(dtype, hq, hkv, page_size, batch):
 
 def test_extend_head_dim_64_int32_table():
     gen = fresh_gen()
-    hq, hkv, d, dtype = 9, 3, 64, torch.bfloat16  # SmolLM2's heads
+    hq, hkv, d, dtype = 9, 3, 64, HALF  # SmolLM2's heads
     prefixes, extends = [0, 130, 7], [70, 33, 1]
     slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], 1, gen)
     k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
@@ -123,7 +128,7 @@ def test_extend_head_dim_64_int32_table():
     assert rel_err(out, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [HALF, torch.float32])
 def test_store_kv_strided_v(dtype):
     gen = fresh_gen()
     t, hkv, d, num_slots = 77, 3, 64, 512
@@ -142,6 +147,7 @@ def test_store_kv_strided_v(dtype):
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_blocks", [0, 3])  # 3: few programs, each looping over token blocks
+@env.needs_cuda  # device pointers and pinned memory
 def test_transfer_load_and_backup(layout, page_size, dtype, max_blocks):
     from hicache.tiers.host.pool import HostKVPool
 
@@ -187,8 +193,9 @@ def test_launchers_reject_bad_arguments():
         decode_attention(torch.zeros(1, 3, 64, device=DEV, dtype=torch.bfloat16), k_buf, k_buf, table, one, one, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         decode_attention(torch.zeros(1, 4, 64, device=DEV), k_buf, k_buf, table, one, one, 1.0)
-    with pytest.raises(ValueError, match="CUDA"):
-        decode_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k_buf, k_buf, table, one, one, 1.0)
+    if env.CUDA:  # (the interpreter takes CPU tensors)
+        with pytest.raises(ValueError, match="CUDA"):
+            decode_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16), k_buf, k_buf, table, one, one, 1.0)
     with pytest.raises(ValueError, match="seq_lens"):
         decode_attention(torch.zeros(1, 4, 64, device=DEV, dtype=torch.bfloat16), k_buf, k_buf, table, one,
                          torch.ones(2, dtype=torch.int64, device=DEV), 1.0)
@@ -198,6 +205,12 @@ def test_launchers_reject_bad_arguments():
     with pytest.raises(ValueError, match="loc"):
         store_kv(k_buf, k_buf, one.float(), torch.zeros(1, 2, 64, device=DEV, dtype=torch.bfloat16),
                  torch.zeros(1, 2, 64, device=DEV, dtype=torch.bfloat16))
+
+
+@env.needs_cuda  # device pointers, pinned memory
+def test_transfer_kernel_rejects_bad_arguments():
+    k_buf = torch.zeros(16, 2, 64, device=DEV, dtype=torch.bfloat16)
+    one = torch.ones(1, dtype=torch.int64, device=DEV)
     ptrs = layer_pointers([k_buf], [k_buf])
     with pytest.raises(ValueError, match="pinned"):
         copy_kv(torch.zeros(2, 1, 16, 2, 64, dtype=torch.bfloat16), "layer_first", ptrs, one, one, range(1), False)
@@ -230,6 +243,7 @@ def scattered_pages(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@env.needs_cuda
 def test_transfer_engine_load_waits_per_layer(io_backend):
     """A load-back leaves the compute stream free; `wait_layer(ticket, i)` orders what compute does
     next after layer i of the load alone (what the forward pass does before layer i's attention).
@@ -256,6 +270,7 @@ def test_transfer_engine_load_waits_per_layer(io_backend):
 
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@env.needs_cuda
 def test_transfer_engine_batches_loads_layer_by_layer(io_backend):
     """The loads of one batch's requests are queued together, layer by layer: layer i of every
     load is copied before layer i + 1 of any, so that the batch's layer 0 does not wait for whole
@@ -284,6 +299,7 @@ def test_transfer_engine_batches_loads_layer_by_layer(io_backend):
 
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@env.needs_cuda
 def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for(io_backend):
     """A load is deferred until a forward pass waits for it; poll() alone never starts it (the
     loads of one batch go together), start_loads() does (the scheduler calls it once a step)."""
@@ -306,6 +322,7 @@ def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for(io_backend):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@env.needs_cuda
 def test_transfer_engine_backup_and_load_round_trip(io_backend, layout):
     """A backup of scattered device pages (every layer) lands in the host slots asked for, and a
     load of them back lands in other device slots, in both host layouts."""
