@@ -36,6 +36,7 @@ penalties (`torch.unique`), and a decode batch too large for the CUDA graphs (co
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -46,6 +47,8 @@ from hicache.runtime.runner import PendingStep
 
 if TYPE_CHECKING:
     from hicache.runtime.scheduler import Scheduler
+
+PREFILL_AHEAD = os.environ.get("HICACHE_PREFILL_AHEAD", "1") != "0"  # 0: prefill steps drain (for A/B runs)
 
 
 class Launched(NamedTuple):
@@ -132,7 +135,7 @@ class OverlapLoop:
         applied; it samples after them (a sampler that syncs then waits for its own pass only,
         not `prev`'s outputs). None when a request outside `prev` runs, or nothing was planned."""
         s, plan = self.sched, prev.plan
-        if plan.mode != "extend" or (all(plan.sample) and not s.waiting):
+        if not PREFILL_AHEAD or plan.mode != "extend" or (all(plan.sample) and not s.waiting):
             return None
         launched = {id(r) for r in plan.reqs}
         if any(id(r) not in launched for r in s.running):

@@ -16,6 +16,7 @@ from hicache import Engine
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
+from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.scheduler import Scheduler
 from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
@@ -245,6 +246,13 @@ def test_prefill_steps_launched_ahead(tiny_config_path):
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
     for rid in plain:  # what the step before was about to give the tree is not computed again
         assert overlapped[rid]["meta"]["cached_tokens"] >= plain[rid]["meta"]["cached_tokens"]
+
+
+def test_prefill_ahead_turned_off(tiny_config_path, monkeypatch):
+    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", False)  # HICACHE_PREFILL_AHEAD=0
+    plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640)
+    assert sched.overlap.ahead == 0
+    assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
 
 
 def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path):
