@@ -378,9 +378,13 @@ def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048,
             conversation(eng, clients, 4, turn, torch.Generator().manual_seed(1000))
             eng.flush_cache()
             trace = profile if name == "L1+L2" else None
+            loop = eng.scheduler.overlap  # prefill steps launched ahead (runtime/overlap.py), if on
+            ahead = loop.ahead if loop is not None else 0
             out[name] = conversation(eng, clients, rounds, turn, torch.Generator().manual_seed(2), trace)
+            out[name]["prefill_steps_ahead"] = (loop.ahead if loop is not None else 0) - ahead
             row(f"rounds, {name}", f"{out[name]['total_s']:.2f} s",
                 f"computed {out[name]['computed_tokens']} of {out[name]['prompt_tokens']} prompt tokens; "
+                f"{out[name]['prefill_steps_ahead']} prefill steps launched ahead; "
                 f"rounds {' '.join(f'{t:.2f}' for t in out[name]['round_s'])}")
     if "L1" in out:
         row("rounds vs L1", ", ".join(f"{name} {out['L1']['total_s'] / out[name]['total_s']:.2f}x" for name in out))
