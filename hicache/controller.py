@@ -302,6 +302,11 @@ class CacheController:
         failed, self._failed = frozenset(self._failed), {}
         return failed
 
+    def collect(self) -> None:
+        """Folds in finished transfers (their pins and locks released) without reporting failed
+        loads: the next `poll()` reports them."""
+        self._collect()
+
     def _collect(self) -> None:
         if self.transfer is None:
             return

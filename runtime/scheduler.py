@@ -154,6 +154,7 @@ class Scheduler:
         leaves failed load-backs to the next `process_result`: the device may still be writing
         the slots of `after`'s requests."""
         if after is not None:
+            self.cache.collect()  # backups landed during `after` release their pages to eviction
             plan = self._schedule_prefill(after)
         else:
             self._poll_transfers()
