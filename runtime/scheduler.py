@@ -199,7 +199,7 @@ class Scheduler:
         ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         if after is not None:
             for req, start, n, sample in zip(after.reqs, after.starts, after.extend_lens, after.sample):
-                if sample:
+                if sample or not req.holds_kv:  # (not holding: retracted in flight, its load failed)
                     continue
                 added = self._add_chunk(plan, req, budget, start=start + n) if budget > 0 else 0
                 if added == 0:  # no budget, or no room without retracting: plan once `after` is applied

@@ -282,7 +282,8 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
     rng = random.Random(8)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(6)]
     ref = scheduler(tiny_config_path, False, disable_radix_cache=True)
-    ref.add_request(GenerateRequest("b1", convs[1] + [7], sampled))
+    tail = [rng.randrange(3, 500) for _ in range(60)]  # b1's prompt runs past its first chunk
+    ref.add_request(GenerateRequest("b1", convs[1] + tail, sampled))
     want = run(ref, {})["b1"]["ids"]
 
     sched = scheduler(tiny_config_path, True, total=256, hicache_ratio=8.0)
@@ -292,7 +293,7 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
     sched.add_request(GenerateRequest("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))
     sched.step()  # b0 loads its prefix back and is launched
     assert sched.overlap.inflight.plan.kv_wait is not None
-    sched.add_request(GenerateRequest("b1", convs[1] + [7], sampled))
+    sched.add_request(GenerateRequest("b1", convs[1] + tail, sampled))
     faults.arm()  # b1's load-back fails; the engine reports it one poll late
     ahead = sched.overlap.ahead
     outs = sched.step()  # b1 launched ahead, then b0 applied: it reports b1's failure
