@@ -32,9 +32,10 @@ from transfer_fakes import Faults, LateTransfer, LazyTransfer
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, **cache) -> Scheduler:
+def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, **cache) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
-                       max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96)
+                       max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
+                       enable_overlap_schedule=overlap)
     return Scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **cache))
 
 
@@ -77,15 +78,18 @@ def reference_outputs(tiny_config_path):
     return outputs
 
 
-@pytest.mark.parametrize("policy,layout,page_size,late", [
-    ("write_through", "layer_first", 1, False),
-    ("write_through_selective", "page_first", 4, True),
-    ("write_back", "page_first", 1, False),
-    ("write_back", "layer_first", 4, True),
+@pytest.mark.parametrize("policy,layout,page_size,late,overlap", [
+    ("write_through", "layer_first", 1, False, False),
+    ("write_through_selective", "page_first", 4, True, False),
+    ("write_back", "page_first", 1, False, False),
+    ("write_back", "layer_first", 4, True, False),
+    ("write_through", "page_first", 4, True, True),  # overlap: steps launched before the last is applied
+    ("write_back", "layer_first", 1, False, True),
 ])
-def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size, late):
-    rng = random.Random(f"{policy}{layout}{page_size}{late}{os.environ.get('HICACHE_STRESS_SEED', '')}")
-    sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size,
+def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size,
+                                                   late, overlap):
+    rng = random.Random(f"{policy}{layout}{page_size}{late}{overlap}{os.environ.get('HICACHE_STRESS_SEED', '')}")
+    sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size, overlap=overlap,
                            hicache_write_policy=policy, hicache_mem_layout=layout)
     real = sched.cache.transfer
     if late:
@@ -122,6 +126,8 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
     assert stats["retractions"] > 0, stats
     assert host["evicted_tokens"] > 0 and stats["tiers"]["device"]["evicted_tokens"] > 0, stats
     assert host["loaded_back_tokens"] > 0 and host["transfer_failures"] > 0, host
+    if overlap:
+        assert sched.overlap.continued > 0 and sched.overlap.ahead > 0
     done = [rid for rid in prompts if rid not in aborted]
     want = reference_outputs([prompts[rid] for rid in done])
     for rid, w in zip(done, want):
