@@ -126,8 +126,6 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
     assert stats["retractions"] > 0, stats
     assert host["evicted_tokens"] > 0 and stats["tiers"]["device"]["evicted_tokens"] > 0, stats
     assert host["loaded_back_tokens"] > 0 and host["transfer_failures"] > 0, host
-    if overlap:
-        assert sched.overlap.continued > 0 and sched.overlap.ahead > 0
     done = [rid for rid in prompts if rid not in aborted]
     want = reference_outputs([prompts[rid] for rid in done])
     for rid, w in zip(done, want):
@@ -137,6 +135,8 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
     flush(sched)
     assert sched.tree.total_tokens() == sched.tree.host_tokens() == 0
     assert sched.cache.host_pool.allocator.num_free_tokens() == sched.cache.host_pool.allocator.capacity_tokens()
+    if overlap:  # (the default seed's runs do both; another HICACHE_STRESS_SEED may not)
+        assert sched.overlap.continued > 0 and sched.overlap.ahead > 0
 
 
 def flush(sched: Scheduler) -> None:
