@@ -15,7 +15,8 @@ a step's results are applied one `step()` later:
   host-side history complete (penalties work; ids and log-probs go to the host together). A
   request that finished at step t (stop token, stop string) had its next position computed too:
   that KV slot lies past its `kv_len`, so its release frees it and no token of it is emitted.
-- A step that follows a prefill step t running every running request is planned *ahead*
+- With `HICACHE_PREFILL_AHEAD=1` (off by default: it made issue 7's rounds on an H100 8% slower),
+  a step that follows a prefill step t running every running request is planned *ahead*
   (`Scheduler.schedule(after=t)`) when it can be: the next chunks of t's unfinished prompts
   (starting where t's chunks end) and admissions from the queue, with their load-backs. It is
   launched before step t's results are applied, so that the host's work between prefill steps
@@ -48,7 +49,8 @@ from hicache.runtime.runner import PendingStep
 if TYPE_CHECKING:
     from hicache.runtime.scheduler import Scheduler
 
-PREFILL_AHEAD = os.environ.get("HICACHE_PREFILL_AHEAD", "1") != "0"  # 0: prefill steps drain (for A/B runs)
+# 1: prefill steps launched ahead. Off by default: slower as measured (benchmarks/RESULTS.md, issue 7 rounds on an H100)
+PREFILL_AHEAD = os.environ.get("HICACHE_PREFILL_AHEAD", "0") == "1"
 
 
 class Launched(NamedTuple):

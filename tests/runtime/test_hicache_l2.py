@@ -24,6 +24,7 @@ from hicache import Engine
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
+from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.scheduler import Scheduler
 from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
@@ -87,7 +88,8 @@ def reference_outputs(tiny_config_path):
     ("write_back", "layer_first", 1, False, True),
 ])
 def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size,
-                                                   late, overlap):
+                                                   late, overlap, monkeypatch):
+    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", overlap)  # HICACHE_PREFILL_AHEAD=1 with overlap
     rng = random.Random(f"{policy}{layout}{page_size}{late}{overlap}{os.environ.get('HICACHE_STRESS_SEED', '')}")
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size, overlap=overlap,
                            hicache_write_policy=policy, hicache_mem_layout=layout)

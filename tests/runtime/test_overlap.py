@@ -219,7 +219,7 @@ def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):
     return script
 
 
-def test_prefill_steps_launched_ahead(tiny_config_path):
+def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
     """Each prefill step is planned and launched before the previous one's results are applied,
     with the next chunks of its prompts and admissions whose prefixes load back from L2. Loads land
     only when the forward pass waits for their layers (a pass that read a page before its layer
@@ -248,14 +248,19 @@ def test_prefill_steps_launched_ahead(tiny_config_path):
         assert overlapped[rid]["meta"]["cached_tokens"] >= plain[rid]["meta"]["cached_tokens"]
 
 
-def test_prefill_ahead_turned_off(tiny_config_path, monkeypatch):
-    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", False)  # HICACHE_PREFILL_AHEAD=0
+@pytest.fixture
+def prefill_ahead(monkeypatch):
+    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", True)  # HICACHE_PREFILL_AHEAD=1
+
+
+def test_prefill_ahead_off_by_default(tiny_config_path):
+    assert not overlap_loop.PREFILL_AHEAD
     plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640)
     assert sched.overlap.ahead == 0
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
 
 
-def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path):
+def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path, prefill_ahead):
     rng = random.Random(7)
     stem = [rng.randrange(3, 500) for _ in range(24)]
     sched = scheduler(tiny_config_path, True)
@@ -274,7 +279,7 @@ def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_co
     assert out["b"].meta["cached_tokens"] == 24 and out["c"].meta["cached_tokens"] == 0
 
 
-def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
+def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_ahead):
     """A step launched ahead admits a request whose load-back fails; the step before it reports the
     failure while it is in flight: the request is retracted then, what its step sampled is dropped
     (its sampler rewound) and it is recomputed, with the outputs of a cache-less run."""
