@@ -3,7 +3,7 @@ and their launch helpers, `pipeline_stages` and `num_sms`.
 
 Under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is imported) the kernels run
 on CPU tensors, in numpy: slow, fp32 and fp16 only (its bf16 gives wrong numbers), but the same
-kernel code, which is how the CPU-only CI checks them (tests/kernels/conftest.py).
+kernel code, which is how the CPU-only CI checks them (tests/kernels/kernel_env.py).
 """
 from __future__ import annotations
 

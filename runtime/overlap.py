@@ -15,7 +15,7 @@ a step's results are applied one `step()` later:
   host-side history complete (penalties work; ids and log-probs go to the host together). A
   request that finished at step t (stop token, stop string) had its next position computed too:
   that KV slot lies past its `kv_len`, so its release frees it and no token of it is emitted.
-- With `HICACHE_PREFILL_AHEAD=1` (off by default: it made issue 7's rounds on an H100 8% slower),
+- With `HICACHE_PREFILL_AHEAD=1` (off by default: it made issue 7's rounds on an H100 9% slower),
   a step that follows a prefill step t running every running request is planned *ahead*
   (`Scheduler.schedule(after=t)`) when it can be: the next chunks of t's unfinished prompts
   (starting where t's chunks end) and admissions from the queue, with their load-backs. It is

@@ -149,8 +149,9 @@ class Scheduler:
 
     def schedule(self, after: BatchPlan | None = None) -> BatchPlan | None:
         """The next step's plan. `after`: a launched prefill step whose results are not applied
-        yet (overlap scheduling, runtime/overlap.py); then the plan holds the next chunks of its
-        unfinished prompts and admissions from the queue, nothing else. It retracts nothing and
+        yet and which holds every running request (overlap scheduling, runtime/overlap.py); then
+        the plan holds the next chunks of its unfinished prompts and admissions from the queue,
+        nothing else. It retracts nothing and
         leaves failed load-backs to the next `process_result`: the device may still be writing
         the slots of `after`'s requests."""
         if after is not None:
@@ -254,12 +255,12 @@ class Scheduler:
         match = self.cache.match(req.all_ids[:-1], req.namespace)
         if after is not None and self._would_grow(req, match.device_slots.numel() + match.host_hit_tokens, after.reqs):
             return 0
-        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         self.cache.lock(match.last_node)
         req.last_node, req.slots = match.last_node, match.device_slots
         req.prefix_len = req.kv_len = req.slots.numel()
-        # room for the next token of each decoding request (those of a launched step decode next)
-        headroom = self.page_size * sum(1 for r in self.running if r.kv_len >= r.seq_len - 1 or id(r) in ahead)
+        # room for the next token of each decoding request (all those of a launched step decode next)
+        decoding = len(self.running) if after is not None else sum(1 for r in self.running if r.kv_len >= r.seq_len - 1)
+        headroom = self.page_size * decoding
         req.row = self.req_table.alloc()
         host = self._load_back(req, match, budget, headroom) if req.row is not None else 0
         if host is None:  # L2 holds more of the prompt than L1 has room for yet: wait, not recompute

@@ -14,9 +14,9 @@ import torch
 
 from hicache import Engine
 from hicache.config import HiCacheConfig
+from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
-from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.scheduler import Scheduler
 from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
@@ -199,6 +199,10 @@ def test_engine_n_seeded_and_flags(tiny_config_path):
     assert not config_from_args(RuntimeConfig, parser.parse_args([])).disable_overlap_schedule
 
 
+@pytest.fixture
+def prefill_ahead(monkeypatch):
+    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", True)  # HICACHE_PREFILL_AHEAD=1
+
 
 def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):
     """Rounds of `n_convs` conversations arriving at once (round r at step 60 r), each turn `turn`
@@ -246,11 +250,6 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
     for rid in plain:  # what the step before was about to give the tree is not computed again
         assert overlapped[rid]["meta"]["cached_tokens"] >= plain[rid]["meta"]["cached_tokens"]
-
-
-@pytest.fixture
-def prefill_ahead(monkeypatch):
-    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", True)  # HICACHE_PREFILL_AHEAD=1
 
 
 def test_prefill_ahead_off_by_default(tiny_config_path):
