@@ -20,8 +20,8 @@ Only the scheduler thread calls it. With no host pool (L2 off) it is a thin laye
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -289,6 +289,13 @@ class CacheController:
         start = getattr(self.transfer, "start_loads", None)
         if start is not None:
             start()
+
+    def ordered_after(self, event):
+        """A context in which new L1 <-> L2 copies follow only the device work queued before
+        `event` (a runner fence) instead of all of it, where the engine can order them so
+        (`HostTransferEngine.ordered_after`); otherwise, or with `event` None, no change."""
+        order = getattr(self.transfer, "ordered_after", None)
+        return order(event) if order is not None and event is not None else contextlib.nullcontext()
 
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last

@@ -15,8 +15,8 @@ a step's results are applied one `step()` later:
   host-side history complete (penalties work; ids and log-probs go to the host together). A
   request that finished at step t (stop token, stop string) had its next position computed too:
   that KV slot lies past its `kv_len`, so its release frees it and no token of it is emitted.
-- With `HICACHE_PREFILL_AHEAD=1` (off by default: it made issue 7's rounds on an H100 9% slower),
-  a step that follows a prefill step t running every running request is planned *ahead*
+- Prefill steps are launched ahead too (on wherever overlap is; `HICACHE_PREFILL_AHEAD=0` turns
+  it off): a step that follows a prefill step t running every running request is planned *ahead*
   (`Scheduler.schedule(after=t)`) when it can be: the next chunks of t's unfinished prompts
   (starting where t's chunks end) and admissions from the queue, with their load-backs. It is
   launched before step t's results are applied, so that the host's work between prefill steps
@@ -26,6 +26,13 @@ a step's results are applied one `step()` later:
   of the new step retracted then has that step's results dropped and its sampler rewound), and
   leaves waiting a request that shares a page past its cached prefix with a request of t, which
   may give that page to the tree once applied. Otherwise the step drains.
+  Its load-backs follow only the compute queued before t (`CacheController.ordered_after` with
+  t's fence), so they run while t computes, unless a request of t gave its slots back since t was
+  launched (a failed load); the backups of t's results follow t, not the step queued after it.
+  With an L2, a prefill step's requests hold at most `HICACHE_PREFILL_AHEAD_L1_SHARE` (0.5) of
+  L1 past the first request, so that the next step's loads find room while it runs: on an H100,
+  issue 7's rounds took 10.9-11.1 s this way against 12.2 s with prefill steps drained and
+  11.1-12.1 s launched ahead without the cap (benchmarks/RESULTS.md).
 - Any other step drains: step t's results are applied, then `schedule()` plans as without
   overlap (admission, chunked prefill, retraction, load-backs); that plan is launched and applied
   at the next step. A changing batch (decode after prefill, admission beside decoding requests,
@@ -49,13 +56,18 @@ from hicache.runtime.runner import PendingStep
 if TYPE_CHECKING:
     from hicache.runtime.scheduler import Scheduler
 
-# 1: prefill steps launched ahead. Off by default: slower as measured (benchmarks/RESULTS.md, issue 7 rounds on an H100)
-PREFILL_AHEAD = os.environ.get("HICACHE_PREFILL_AHEAD", "0") == "1"
+# 0: every prefill step drains (its results applied before the next is planned)
+PREFILL_AHEAD = os.environ.get("HICACHE_PREFILL_AHEAD", "1") != "0"
+# With them and an L2: the share of L1 that one prefill step's requests may hold together (at least
+# one request), so that the next step's load-backs find room, and start, while it runs. 1: no cap.
+AHEAD_L1_SHARE = float(os.environ.get("HICACHE_PREFILL_AHEAD_L1_SHARE", "0.5"))
 
 
 class Launched(NamedTuple):
     plan: BatchPlan
     step: PendingStep
+    fence: torch.cuda.Event | None  # the device work queued before the step (ModelRunner.fence)
+    frees: tuple  # OverlapLoop._frees() at its launch
 
 
 class OverlapLoop:
@@ -70,18 +82,22 @@ class OverlapLoop:
 
     def step(self) -> None:
         prev, self.inflight = self.inflight, None
+        s, frees = self.sched, self._frees()
         cont = self._continuation(prev) if prev is not None else None
         if cont is not None:
             plan, keep = cont
             self.continued += 1
-            rows, logits = self.sched.runner.forward(plan, _gather(prev.step.next_ids, keep))
+            fence = s.runner.fence()
+            rows, logits = s.runner.forward(plan, _gather(prev.step.next_ids, keep))
         ahead = self._ahead(prev) if cont is None and prev is not None else None
         if ahead is not None:
             plan = ahead
             self.ahead += 1
-            rows, logits = self.sched.runner.forward(plan)
-        if prev is not None:
-            self.sched.process_result(prev.plan, prev.step.result())
+            fence = s.runner.fence()
+            rows, logits = s.runner.forward(plan)
+        if prev is not None:  # the backups of prev's results follow prev, not the step queued after it
+            with s.cache.ordered_after(fence if cont is not None or ahead is not None else None):
+                s.process_result(prev.plan, prev.step.result())
         if cont is not None:
             plan, logits = self._still_running(plan, logits)
             rows = list(range(len(plan.reqs)))
@@ -89,14 +105,15 @@ class OverlapLoop:
             self._blocked_at = None
         if cont is not None or ahead is not None:  # sampled once the host has step t's results
             if plan.reqs:
-                self.inflight = Launched(plan, self.sched.runner.sample(plan, rows, logits))
+                self.inflight = Launched(plan, s.runner.sample(plan, rows, logits), fence, frees)
             return
-        plan = self.sched.schedule()
-        self._blocked_at = self._queue_state() if self.sched.waiting and (plan is None or plan.mode == "decode") else None
+        plan = s.schedule()
+        self._blocked_at = self._queue_state() if s.waiting and (plan is None or plan.mode == "decode") else None
         if plan is not None:
-            self.inflight = Launched(plan, self.sched.runner.launch(plan))
+            fence = s.runner.fence()
+            self.inflight = Launched(plan, s.runner.launch(plan), fence, self._frees())
         elif prev is None:
-            self.sched.idle_wait()
+            s.idle_wait()
 
     def apply(self) -> None:
         """Applies the launched step now (waits for its tokens)."""
@@ -142,7 +159,25 @@ class OverlapLoop:
         launched = {id(r) for r in plan.reqs}
         if any(id(r) not in launched for r in s.running):
             return None
-        return s.schedule(after=plan)
+        # Its loads may start while `prev` runs: their slots come from the free pool and the tree,
+        # which held none of prev's slots at its launch unless prev's requests were released since
+        # (a load failed under it); then they wait for prev, as any copy does.
+        with s.cache.ordered_after(prev.fence if self._frees() == prev.frees else None):
+            return s.schedule(after=plan)
+
+    def step_kv_cap(self) -> int | None:
+        """Tokens of KV that the requests of one prefill step may hold together, past the first
+        (AHEAD_L1_SHARE of L1), when steps are launched ahead with an L2 to load back from; None
+        otherwise. Without it, a step of a few long conversations fills L1 and the next step's
+        loads wait for it to end (benchmarks/RESULTS.md, issue 7 rounds)."""
+        s = self.sched
+        if not PREFILL_AHEAD or s.cache.host_pool is None or AHEAD_L1_SHARE >= 1:
+            return None
+        return int(s.alloc.capacity_tokens() * AHEAD_L1_SHARE)
+
+    def _frees(self) -> tuple:
+        """Changes when a running request may have given its slots back to the free pool."""
+        return self.sched.counters["retractions"], self.sched.cache.counters["transfer_failures"]
 
     def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, torch.Tensor]:
         """The continuation less the requests that finished at the step before it."""

@@ -47,6 +47,14 @@ class ModelRunner:
         rows, logits = self.forward(plan, input_ids)
         return self.sample(plan, rows, logits)
 
+    def fence(self) -> torch.cuda.Event | None:
+        """An event after the device work queued so far (None off CUDA, where work is not queued)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Queues the forward pass (no host sync on CUDA, but for a load-back's first wait). Returns

@@ -209,9 +209,12 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival_seq) if after is None else ():
             if req in self.running and req.kv_len < req.seq_len - 1 and self._kv_ready(req):
                 budget -= self._add_chunk(plan, req, budget)
+        cap = self.overlap.step_kv_cap() if self.overlap is not None else None
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.rc.max_running_requests or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
+            if cap is not None and plan.reqs and sum(map(sum, zip(plan.starts, plan.extend_lens))) + req.seq_len > cap:
+                break  # L1 left for the next step's load-backs (runtime/overlap.py)
             if not self._storage_ready(req):
                 continue
             n = self._admit(req, budget, after)

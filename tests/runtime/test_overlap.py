@@ -7,6 +7,7 @@ position a finished request computed one step too many is freed).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import pytest
@@ -18,13 +19,14 @@ from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.scheduler import Scheduler
-from transfer_fakes import Faults, LateTransfer, LazyTransfer
+from transfer_fakes import Faults, FencedTransfer, LateTransfer, LazyTransfer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def scheduler(config_path, overlap: bool, total=1024, running=8, page_size=4, device="cpu", **cache) -> Scheduler:
-    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
+def scheduler(config_path, overlap: bool, total=1024, running=8, page_size=4, device="cpu", policy="fcfs",
+              **cache) -> Scheduler:
+    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total, schedule_policy=policy,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
                        device=device, dtype="float32", enable_overlap_schedule=overlap and device == "cpu",
                        disable_overlap_schedule=not overlap)
@@ -229,22 +231,28 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
     only when the forward pass waits for their layers (a pass that read a page before its layer
     landed would give other outputs)."""
     script = multiturn(12, 40)
-    outs, launched = [], []
+    outs, launched, held = [], [], []
     for overlap in (False, True):
         sched = scheduler(tiny_config_path, overlap, total=640, hicache_ratio=8.0)
         sched.cache.transfer = LazyTransfer(sched.cache.transfer, sched.pool, sched.cache.host_pool)
         if overlap:
-            ahead = sched.overlap._ahead
+            ahead, forward = sched.overlap._ahead, sched.runner.forward
 
             def spy(prev, ahead=ahead):
                 got = ahead(prev)
                 launched.extend([got] if got is not None else [])
                 return got
-            sched.overlap._ahead = spy
+
+            def forward_spy(plan, *args, forward=forward):  # KV held by the requests of each prefill step
+                held.extend([sum(s + n for s, n in zip(plan.starts, plan.extend_lens))] if len(plan.reqs) > 1 else [])
+                return forward(plan, *args)
+            sched.overlap._ahead, sched.runner.forward = spy, forward_spy
         outs.append(run(sched, script()))
         assert sched.stats()["tiers"]["host"]["loaded_back_tokens"] > 0
     plain, overlapped = outs
     assert len(launched) == sched.overlap.ahead > 0
+    # a step leaves the next one's load-backs room (half of L1; without the cap some held 496 tokens)
+    assert held and max(held) <= sched.overlap.step_kv_cap() == 320
     assert any(a.kv_wait is not None for a in launched), "no step launched ahead loaded back from L2"
     assert any(not all(a.sample) for a in launched), "no chunked prompt continued ahead"
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
@@ -252,10 +260,47 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
         assert overlapped[rid]["meta"]["cached_tokens"] >= plain[rid]["meta"]["cached_tokens"]
 
 
-def test_prefill_ahead_off_by_default(tiny_config_path):
-    assert not overlap_loop.PREFILL_AHEAD
-    plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640)
-    assert sched.overlap.ahead == 0
+def fenced(sched: Scheduler) -> FencedTransfer:
+    """Wraps the scheduler's transfer engine in a FencedTransfer and gives the runner numbered
+    fences (1, 2, ...), as on CUDA, where the runner's fences are events."""
+    ft = sched.cache.transfer = FencedTransfer(sched.cache.transfer)
+
+    def fence():
+        ft.latest = (ft.latest or 0) + 1
+        return ft.latest
+    sched.runner.fence = fence
+    return ft
+
+
+def test_copies_ordered_after_the_step_they_touch(tiny_config_path, prefill_ahead):
+    """The loads of a step planned ahead follow only the compute queued before the step in flight
+    (their slots were free before it), so they run beside it; the backups of a step's results
+    follow that step, not the one queued after it (whose fence is the latest); a step planned
+    after the one before it was applied orders its loads after everything queued (no fence)."""
+    sched = scheduler(tiny_config_path, True, total=640, hicache_ratio=8.0)
+    sched.cache.transfer = LazyTransfer(sched.cache.transfer, sched.pool, sched.cache.host_pool)
+    ft, ahead_loads = fenced(sched), []
+    real_ahead = sched.overlap._ahead
+
+    def spy(prev):
+        n = len(ft.submitted)
+        got = real_ahead(prev)
+        ahead_loads.extend((prev.fence, f) for kind, f, _ in ft.submitted[n:] if kind == "load")
+        return got
+    sched.overlap._ahead = spy
+    run(sched, multiturn(12, 40)())
+    assert ahead_loads and all(f == want is not None for want, f in ahead_loads)
+    loads = [f for kind, f, _ in ft.submitted if kind == "load"]
+    assert len(loads) > len(ahead_loads) and loads.count(None) == len(loads) - len(ahead_loads)
+    backups = [(f, latest) for kind, f, latest in ft.submitted if kind == "backup"]
+    assert any(f is not None for f, _ in backups) and all(f in (None, latest) for f, latest in backups)
+
+
+def test_prefill_ahead_on_by_default_and_off_by_flag(tiny_config_path, monkeypatch):
+    assert overlap_loop.PREFILL_AHEAD == (os.environ.get("HICACHE_PREFILL_AHEAD") != "0")
+    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", False)  # HICACHE_PREFILL_AHEAD=0
+    plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640, hicache_ratio=8.0)
+    assert sched.overlap.ahead == 0 and sched.overlap.step_kv_cap() is None
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
 
 
@@ -286,18 +331,18 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_a
     rng = random.Random(8)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(6)]
     ref = scheduler(tiny_config_path, False, disable_radix_cache=True)
-    tail = [rng.randrange(3, 500) for _ in range(60)]  # b1's prompt runs past its first chunk
-    ref.add_request(GenerateRequest("b1", convs[1] + tail, sampled))
+    b1 = convs[1][:40] + [rng.randrange(3, 500) for _ in range(60)]  # runs past its first chunk
+    ref.add_request(GenerateRequest("b1", b1, sampled))
     want = run(ref, {})["b1"]["ids"]
 
-    sched = scheduler(tiny_config_path, True, total=256, hicache_ratio=8.0)
+    sched = scheduler(tiny_config_path, True, total=256, policy="lpm", hicache_ratio=8.0)  # b2 (60 cached) before b1 (40)
     sched.cache.transfer = LateTransfer(sched.cache.transfer)
-    faults = Faults(sched)
+    ft, faults = fenced(sched), Faults(sched)
     run(sched, {i: [GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
     sched.add_request(GenerateRequest("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))
     sched.step()  # b0 loads its prefix back and is launched
     assert sched.overlap.inflight.plan.kv_wait is not None
-    sched.add_request(GenerateRequest("b1", convs[1] + tail, sampled))
+    sched.add_request(GenerateRequest("b1", b1, sampled))
     faults.arm()  # b1's load-back fails; the engine reports it one poll late
     ahead = sched.overlap.ahead
     outs = sched.step()  # b1 launched ahead, then b0 applied: it reports b1's failure
@@ -305,6 +350,11 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_a
     assert [r.rid for r in sched.waiting] == ["b1"] and sched.waiting[0].load_back_failed
     assert [o.rid for o in outs] == ["b0"] and sched.stats()["retractions"] == 1
     sched.check_integrity()
+    sched.add_request(GenerateRequest("b2", convs[2] + [7], dict(GREEDY, max_new_tokens=1)))
+    n = len(ft.submitted)
+    sched.step()  # b2 launched ahead of b1's step, whose request gave its slots back while in flight
+    assert sched.overlap.ahead == ahead + 2 and sched.overlap.holds("b2")
+    assert [(kind, f) for kind, f, _ in ft.submitted[n:] if kind == "load"] == [("load", None)]
     got = run(sched, {})
     assert got["b1"]["ids"] == want
     assert sched.stats()["tiers"]["host"]["transfer_failures"] == 1

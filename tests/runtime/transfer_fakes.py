@@ -3,6 +3,7 @@ late or only when waited for, as on a GPU, and copies that fail. Test files impo
 `transfer_fakes` (pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from hicache.runtime.scheduler import Scheduler
@@ -113,3 +114,31 @@ class Faults:
                 raise RuntimeError("injected transfer failure")
             return real(*a, **k)
         return call
+
+
+class FencedTransfer:
+    """Wraps an engine with `ordered_after` (as `HostTransferEngine` has on CUDA) and records the
+    fence each load and backup was submitted under: `submitted` holds (kind, fence or None,
+    `latest`), where the test sets `latest` to the last fence the runner made."""
+
+    def __init__(self, inner):
+        self.inner, self.fence, self.latest, self.submitted = inner, None, None, []
+
+    @contextlib.contextmanager
+    def ordered_after(self, event):
+        self.fence = event
+        try:
+            yield
+        finally:
+            self.fence = None
+
+    def backup(self, d, h):
+        self.submitted.append(("backup", self.fence, self.latest))
+        return self.inner.backup(d, h)
+
+    def load(self, h, d, on_layer=None):
+        self.submitted.append(("load", self.fence, self.latest))
+        return self.inner.load(h, d, on_layer)
+
+    def __getattr__(self, name):  # poll, synchronize, wait_layer, start_loads
+        return getattr(self.inner, name)

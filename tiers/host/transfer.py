@@ -2,7 +2,8 @@
 
 On CPU a copy runs inside `backup` / `load` (torch index copies) and its result waits for the next
 `poll()`. On CUDA the copies run on side streams (one for writes, one for loads) ordered after the
-work already queued on the compute stream, and `poll()` reports a ticket once its finish event has
+work already queued on the compute stream (or, within `ordered_after(event)`, only the work
+queued before that event: overlap scheduling's steps launched ahead), and `poll()` reports a ticket once its finish event has
 fired. A load records one event per layer and the compute stream does not wait for it as a whole:
 the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` before layer i's
 attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. Loads are
@@ -25,6 +26,7 @@ prefix resident with the copy engines, 1.36x with the kernel (benchmarks/RESULTS
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -107,6 +109,7 @@ class HostTransferEngine:
         self._done: list[TransferResult] = []
         self._pending: dict[int, _Pending] = {}
         self._deferred: dict[int, tuple] = {}  # CUDA loads not yet queued: ticket -> (slots, on_layer, start, after)
+        self._fence = None  # ordered_after's event: copies submitted now follow the compute before it
         self._streams = None
         self._layers = None  # kernels.transfer.DeviceLayers when the Triton kernel copies
         self._batch = None  # copy_engine.BatchCopier when the copy engines do
@@ -125,6 +128,19 @@ class HostTransferEngine:
                                               [device_pool.v_buffer(i) for i in range(n)])
 
     # ---- submit ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def ordered_after(self, event):
+        """Copies submitted within follow the compute queued before `event` (a compute-stream
+        event, CUDA) instead of all the compute queued so far. For overlap scheduling: the loads of
+        a step planned while the step before runs need not wait for that step when their slots
+        were free before it was launched; the backups of a step's results need not wait for the
+        step queued after it. The caller vouches that no compute after `event` touches the slots."""
+        self._fence = event
+        try:
+            yield
+        finally:
+            self._fence = None
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
         """Device -> host, every layer, as one operation."""
@@ -161,9 +177,11 @@ class HostTransferEngine:
         if kind == "load" and LOAD_OVERLAP:
             # Queued by start_loads (once the scheduler's plan is made) or the first wait_layer,
             # together with the other loads of that batch. It still comes after the compute queued
-            # before now, which may read the pages it overwrites.
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
+            # before now (or before the fence), which may read the pages it overwrites.
+            after = self._fence
+            if after is None:
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.device))
             self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after)
             return
         self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer, None)
@@ -194,10 +212,12 @@ class HostTransferEngine:
 
     def _issue(self, kind, jobs, device_slots, host_slots, on_layer, afters) -> None:
         """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
-        concatenated), after the compute stream's `afters` events (None: all compute queued so far).
-        A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
+        concatenated), after the compute stream's `afters` events (None: the fence, or all compute
+        queued so far). A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
         stream = self._streams[kind]
-        if afters is None:
+        if afters is None and self._fence is not None:
+            stream.wait_event(self._fence)
+        elif afters is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
         for after in afters or ():
             stream.wait_event(after)
