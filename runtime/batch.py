@@ -30,6 +30,10 @@ class BatchPlan:
     kv_wait: Callable[[int | None], None] | None = None
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
 
+    def kv_tokens(self) -> int:
+        """KV tokens its requests hold once it has run (cached prefixes included)."""
+        return sum(s + n for s, n in zip(self.starts, self.extend_lens))
+
 
 @dataclass
 class ForwardBatch:

@@ -213,7 +213,7 @@ class Scheduler:
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.rc.max_running_requests or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
-            if cap is not None and plan.reqs and sum(map(sum, zip(plan.starts, plan.extend_lens))) + req.seq_len > cap:
+            if cap is not None and plan.reqs and plan.kv_tokens() + req.seq_len > cap:
                 break  # L1 left for the next step's load-backs (runtime/overlap.py)
             if not self._storage_ready(req):
                 continue

@@ -244,7 +244,7 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
                 return got
 
             def forward_spy(plan, *args, forward=forward):  # KV held by the requests of each prefill step
-                held.extend([sum(s + n for s, n in zip(plan.starts, plan.extend_lens))] if len(plan.reqs) > 1 else [])
+                held.extend([plan.kv_tokens()] if len(plan.reqs) > 1 else [])
                 return forward(plan, *args)
             sched.overlap._ahead, sched.runner.forward = spy, forward_spy
         outs.append(run(sched, script()))
