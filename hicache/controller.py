@@ -295,7 +295,7 @@ class CacheController:
         `event` (a runner fence) instead of all of it, where the engine can order them so
         (`HostTransferEngine.ordered_after`); otherwise, or with `event` None, no change."""
         order = getattr(self.transfer, "ordered_after", None)
-        return order(event) if order is not None and event is not None else contextlib.nullcontext()
+        return order(event) if order is not None else contextlib.nullcontext()
 
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last

@@ -2,18 +2,18 @@
 
 On CPU a copy runs inside `backup` / `load` (torch index copies) and its result waits for the next
 `poll()`. On CUDA the copies run on side streams (one for writes, one for loads) ordered after the
-work already queued on the compute stream (or, within `ordered_after(event)`, only the work
-queued before that event: overlap scheduling's steps launched ahead), and `poll()` reports a ticket once its finish event has
-fired. A load records one event per layer and the compute stream does not wait for it as a whole:
-the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` before layer i's
-attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes. Loads are
-held back until `start_loads()` (the scheduler calls it once its batch is made) and then queued
-together, one copy per layer for all of them: had each request's load been queued whole, one after
-another, a batch's layer 0 would wait for every load but the last. Even then a load's layers are
-queued `HICACHE_LOAD_AHEAD` (default 2) ahead of the layer the forward pass waits for, not all
+work already queued on the compute stream (or, within `ordered_after(event)`, only the work queued
+before that event: overlap scheduling's steps launched ahead), and `poll()` reports a ticket once
+its finish event has fired. A load records one event per layer and the compute stream does not wait
+for it as a whole: the forward pass that reads the loaded pages calls `wait_layer(ticket, i)` before
+layer i's attention (`stream.wait_event`, no host sync), so layer i+1 loads while layer i computes.
+Loads are held back until `start_loads()` (the scheduler calls it once its batch is made) and then
+queued together, one copy per layer for all of them: had each request's load been queued whole, one
+after another, a batch's layer 0 would wait for every load but the last. Even then a load's layers
+are queued `HICACHE_LOAD_AHEAD` (default 2) ahead of the layer the forward pass waits for, not all
 before the pass: queuing costs the host time that the pass's own launches need. Slot indices reach
-the device through pinned memory: a pageable copy on a side stream blocks the host until that
-stream drains.
+the device through pinned memory: a pageable copy on a side stream blocks the host until that stream
+drains.
 
 With a pinned host pool on CUDA, io_backend "direct" (the default) moves pages on the copy engines
 (`copy_engine.BatchCopier`: all of a layer's runs of pages in one `cuMemcpyBatchAsync`; a backup,
@@ -184,7 +184,8 @@ class HostTransferEngine:
                 after.record(torch.cuda.current_stream(self.device))
             self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after)
             return
-        self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer, None)
+        self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer,
+                    None if self._fence is None else [self._fence])
         if kind == "load":  # LOAD_OVERLAP off: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
@@ -212,12 +213,10 @@ class HostTransferEngine:
 
     def _issue(self, kind, jobs, device_slots, host_slots, on_layer, afters) -> None:
         """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
-        concatenated), after the compute stream's `afters` events (None: the fence, or all compute
-        queued so far). A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
+        concatenated), after the compute stream's `afters` events (None: all compute queued so far).
+        A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
         stream = self._streams[kind]
-        if afters is None and self._fence is not None:
-            stream.wait_event(self._fence)
-        elif afters is None:
+        if afters is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
         for after in afters or ():
             stream.wait_event(after)
