@@ -3,10 +3,12 @@
     python benchmarks/gpu.py [--parts kernels,l1,l2,hf] [--floors floors.json] [--json out.json]
                              [--overlap off|on|both] [--decode-batches 1,16,64,256] [--l1-tokens N]
                              [--rounds-configs L1,L1+L2,...] [--profile trace.json] [--io-backend direct|kernel]
+                             [--attention-backend auto|flashinfer|triton]
 
 Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
 device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
-8192^3. Parts: `kernels` (one layer's decode / extend attention, decode-sized linears through
+8192^3. Parts: `kernels` (one layer's decode / extend attention, Triton's and FlashInfer's when
+installed, decode-sized linears through
 cuBLAS and through the Triton few-row kernel, then `transfers`: 32k-token
 load-back, also with the engine's cap on programs, and backup),
 `l1` (decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k
@@ -35,6 +37,7 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "llama-3.1-8b.json"
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
 KV_TOKEN_BYTES = 2 * LAYERS * HKV * D * 2  # 128 KiB
 IO_BACKEND = "direct"  # the engines' hicache_io_backend (--io-backend)
+ATTENTION_BACKEND = "auto"  # the engines' attention_backend (--attention-backend)
 GiB = 2**30
 
 
@@ -138,8 +141,50 @@ def kernels(f: dict) -> dict:
         row(f"extend attention, 1 layer, prefix {prefix} + {ext} new", f"{t * 1e3:.2f} ms",
             f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
         del k, v
+    out |= flashinfer_kernels(f)
     out |= linears(f)
     out |= transfers(f)
+    return out
+
+
+def flashinfer_kernels(f: dict) -> dict:
+    """The same attention shapes through FlashInfer's kernels (`hicache.kernels.flashinfer`), when installed."""
+    from hicache.kernels import flashinfer as fi
+
+    if not fi.available():
+        row("flashinfer attention", "not installed")
+        return {}
+    out = {}
+    workspace = torch.zeros(fi.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    for batch in (1, 16, 64, 256):
+        table, slots = paged_rows(batch, 2048)
+        k = torch.randn(slots, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+        buffers = fi.PagedAttention.graph_buffers(batch, batch * 2048, torch.device("cuda"))
+        floor = batch * 2048 * HKV * D * 2 * 2 / f["d2d_bytes_per_s"]
+        for cores in (False, True):
+            attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, torch.device("cuda"), workspace, batch, buffers,
+                                     tensor_cores=cores)
+            attn.plan_decode(table.reshape(-1).int(), [2048] * batch, D ** -0.5)
+            t = graph_timed(lambda: attn.run(q, k, v))
+            out[f"flashinfer_decode_attn_b{batch}{'_tc' * cores}_s"] = t
+            row(f"flashinfer decode attention{' (tensor cores)' * cores}, 1 layer, batch {batch} x 2k (graph)",
+                f"{t * 1e6:.1f} us", f"{t / floor:.2f}x the KV-read floor {floor * 1e6:.1f} us")
+        del k, v
+    attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, torch.device("cuda"), workspace)
+    for prefix, ext in ((0, 8192), (31 * 1024, 1024)):
+        table, slots = paged_rows(1, prefix + ext)
+        k = torch.randn(slots, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        q = torch.randn(ext, HQ, D, dtype=torch.bfloat16, device="cuda")
+        attn.plan_extend(table.reshape(-1).int(), [ext], [prefix + ext], D ** -0.5)
+        t = timed(lambda: attn.run(q, k, v))
+        flops = 4 * HQ * D * ext * (prefix + (ext + 1) / 2)
+        out[f"flashinfer_extend_attn_p{prefix}_e{ext}_s"] = t
+        row(f"flashinfer extend attention, 1 layer, prefix {prefix} + {ext} new", f"{t * 1e3:.2f} ms",
+            f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
+        del k, v
     return out
 
 
@@ -234,6 +279,7 @@ def engine(**options):
     if "hicache_storage_backend" in HiCacheConfig.__dataclass_fields__:
         options.setdefault("hicache_storage_backend", "none")  # L1/L2 figures only
     options.setdefault("hicache_io_backend", IO_BACKEND)
+    options.setdefault("attention_backend", ATTENTION_BACKEND)
     return Engine(str(CONFIG), load_format="dummy", dtype="bfloat16", page_size=64, **options)
 
 
@@ -293,7 +339,7 @@ def model_l1(f: dict, overlap: str = "both", batches=(1, 16, 64, 256), l1_tokens
     out, rng, steps = {}, torch.Generator().manual_seed(0), 32
     modes = {"off": [False], "on": [True], "both": [False, True]}[overlap]
     with engine(max_total_tokens=l1_tokens, disable_hierarchical_cache=True, max_running_requests=256,
-                chunked_prefill_size=8192, max_prefill_tokens=65536, context_length=16384) as eng:
+                chunked_prefill_size=8192, max_prefill_tokens=32768, context_length=16384) as eng:
         capacity = eng.get_stats()["tiers"]["device"]["capacity_tokens"]
         row("L1 pool", f"{capacity} tokens")
         for batch in batches:
@@ -539,9 +585,11 @@ def main() -> None:
     ap.add_argument("--io-backend", default="direct", choices=("direct", "kernel"),
                     help="l2, rounds: the engines' L1 <-> L2 copies (the copy engines, or the Triton gather kernel)")
     ap.add_argument("--rounds-configs", default="L1,L1+L2,L1 holds all", help="rounds: comma-separated configurations")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "flashinfer", "triton"),
+                    help="the engines' attention kernels (auto: flashinfer when installed)")
     args = ap.parse_args()
-    global IO_BACKEND
-    IO_BACKEND = args.io_backend
+    global IO_BACKEND, ATTENTION_BACKEND
+    IO_BACKEND, ATTENTION_BACKEND = args.io_backend, args.attention_backend
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| measure | value | vs floor |\n|---|---|---|")
     t0 = time.perf_counter()

@@ -55,7 +55,8 @@ class ForwardBatch:
     q_starts: torch.Tensor | None = None  # [N] int64, device: first new token of each request in q
     max_extend: int = 0
     max_seq_len: int = 0
-    num_splits: int | None = None  # decode: split-K ranges, fixed inside a CUDA graph
+    kv_lens: list[int] = field(default_factory=list)  # per request: KV tokens once the pass has run
+    graph_state: Any = None  # inside a captured decode graph: the backend's state for its batch size
     wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.kv_wait: called with the layer before its attention
 
     def wait_layer(self, layer_id: int) -> None:

@@ -63,7 +63,8 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     cache = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
     if cc.storage and cache.enabled:
         attach_storage(cache, cc, rc, loaded, host_pool)
-    runner = ModelRunner(loaded.model, pool, req_table, make_attention_backend(rc.attention_backend, cfg.head_dim), device,
+    attn = make_attention_backend(rc.attention_backend, cfg.head_dim, rc.decode_attention_backend)
+    runner = ModelRunner(loaded.model, pool, req_table, attn, device,
                          cuda_graph=not rc.disable_cuda_graph, max_batch=rc.max_running_requests)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
                 pool.num_slots * pool.bytes_per_token() / 2**20, context)

@@ -20,8 +20,9 @@ class RuntimeConfig:
     chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
-    attention_backend: str = field(default="auto", metadata={"help": "Attention kernels: auto (triton on CUDA, torch on CPU), triton (CUDA) or torch (the reference path)."})
-    disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton backend)."})
+    attention_backend: str = field(default="auto", metadata={"help": "Attention kernels of prefill and extend (and of decode, unless decode_attention_backend names others): auto (flashinfer on CUDA when installed and the KV dtype is fp16/bf16, else triton on CUDA, torch on CPU), flashinfer (CUDA), triton (CUDA) or torch (the reference path)."})
+    decode_attention_backend: str = field(default="auto", metadata={"help": "Attention kernels of decode steps: auto (those of attention_backend; when that is auto too, triton on CUDA, measured faster at decode than flashinfer), flashinfer, triton or torch."})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton or flashinfer backend)."})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t (overlap is on by default on CUDA)."})
     enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
@@ -33,8 +34,9 @@ class RuntimeConfig:
             raise ValueError(f"load_format must be auto, gguf, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        for name in ("attention_backend", "decode_attention_backend"):
+            if getattr(self, name) not in ("auto", "flashinfer", "triton", "torch"):
+                raise ValueError(f"{name} must be auto, flashinfer, triton or torch, got {getattr(self, name)!r}")
         if self.disable_overlap_schedule and self.enable_overlap_schedule:
             raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
         if self.max_running_requests < 1:

@@ -1,7 +1,7 @@
 """CUDA graphs for decode: one graph per bucketed batch size, captured once at startup.
 
-A graph replays the whole decode forward pass (embedding, every layer with the Triton KV store
-and split-K decode kernels, final norm, logits) from static input buffers, so a decode step costs
+A graph replays the whole decode forward pass (embedding, every layer with the KV store and the
+backend's decode kernels, final norm, logits) from static input buffers, so a decode step costs
 one launch instead of a thousand. A batch of n requests runs in the smallest bucket >= n; the
 padding rows repeat row 0 (same token, slot and table row), so they write row 0's K/V again with
 the same values and their logits are dropped. Capture runs before any request exists: its
@@ -24,19 +24,20 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
 class DecodeGraphs:
-    """Captured decode graphs of `model` over `pool` / `req_table` with the triton backend `attn`.
+    """Captured decode graphs of `model` over `pool` / `req_table` with the attention backend
+    `attn` (`impl`: the backend it is, or resolved to, one whose decode runs in graphs).
 
     Only the scheduler thread calls `run`. Its logits are views into the graph's output buffer,
     valid until the next `run`.
     """
 
-    def __init__(self, model: torch.nn.Module, pool, req_table, attn, device: torch.device, max_batch: int,
-                 num_splits_for):
-        self.model, self.pool, self.req_table, self.attn = model, pool, req_table, attn
+    def __init__(self, model: torch.nn.Module, pool, req_table, attn, impl, device: torch.device, max_batch: int):
+        self.model, self.pool, self.req_table, self.attn, self.impl = model, pool, req_table, attn, impl
         self.sizes = sorted({b for b in BUCKETS if b < max_batch} | {min(max_batch, BUCKETS[-1])})
         self.inputs = torch.zeros((3, self.sizes[-1]), dtype=torch.int64, device=device)  # ids, rows, seq_lens
         self.inputs[2].fill_(1)
-        self.splits = {bs: num_splits_for(bs, req_table.max_context) for bs in self.sizes}
+        self.states = {bs: impl.capture_state(bs, self.sizes[-1], model.config.num_heads, pool, req_table)
+                       for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         model.rotary_emb.ensure(req_table.max_context, device)
@@ -57,7 +58,7 @@ class DecodeGraphs:
         table = self.req_table.table
         batch = ForwardBatch("decode", self.attn, self.pool, table[rows, positions], [1] * bs, [],
                              req_to_token=table, req_rows=rows, seq_lens=seq_lens,
-                             max_seq_len=self.req_table.max_context, num_splits=self.splits[bs])
+                             max_seq_len=self.req_table.max_context, graph_state=self.states[bs])
         return self.model.compute_logits(self.model(ids, positions, batch))
 
     @torch.inference_mode()
@@ -88,5 +89,6 @@ class DecodeGraphs:
             self.inputs[1:, :bs].copy_(tensor_to(host, self.inputs.device))
         else:
             self.inputs[:, :bs].copy_(tensor_to([ids + ids[:1] * pad] + host, self.inputs.device))
+        self.impl.before_replay(self.states[bs], self.inputs[1, :bs], self.inputs[2, :bs], host[1], self.req_table)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

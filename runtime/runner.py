@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from hicache.runtime.attention import AutoAttention, TritonAttention
+from hicache.runtime.attention import AutoAttention
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
@@ -28,15 +28,15 @@ class ModelRunner:
         self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
 
     def _capture(self, max_batch: int):
-        """Decode CUDA graphs when the attention backend is triton (the torch one syncs)."""
+        """Decode CUDA graphs when the decode backend is triton or flashinfer (the torch one syncs)."""
         from hicache.runtime.cuda_graph import DecodeGraphs
 
-        impl = self.attn.resolve(self.device) if isinstance(self.attn, AutoAttention) else self.attn
-        if not isinstance(impl, TritonAttention):
+        impl = self.attn
+        if isinstance(impl, AutoAttention):
+            impl = impl.resolve(self.device, self.pool.k_buffer(0).dtype)
+        if not impl.graphs:
             return None
-        hkv = self.pool.k_buffer(0).shape[1]
-        return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, self.device, max_batch,
-                            lambda bs, max_len: impl.splits_for(bs, hkv, max_len, self.device))
+        return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, impl, self.device, max_batch)
 
     def run(self, plan: BatchPlan) -> StepOutput:
         """Runs the plan and waits for its tokens."""
@@ -98,7 +98,8 @@ class ModelRunner:
         batch.req_to_token = self.req_table.table
         batch.req_rows, batch.prefix_lens, batch.extend_lens_dev, batch.q_starts = meta[:4 * n].view(4, n).unbind(0)
         batch.max_extend = max(plan.extend_lens)
-        batch.max_seq_len = max(s + n for s, n in zip(plan.starts, plan.extend_lens))
+        batch.kv_lens = [s + n for s, n in zip(plan.starts, plan.extend_lens)]
+        batch.max_seq_len = max(batch.kv_lens)
         if plan.mode == "decode":
             batch.seq_lens = batch.prefix_lens + 1
             batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]

@@ -12,6 +12,7 @@ import time
 import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
+from paged_inputs import fresh_gen, paged_slots, random_pool, rel_err, table_of
 
 from hicache.kernels import attention as ref
 
@@ -26,43 +27,6 @@ DEV = env.DEV
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 HALF = env.half(torch.bfloat16)
 GROUPS = env.sizes([(8, 8), (32, 8), (32, 4)], [(2, 2), (8, 2), (8, 1)])  # (Hq, Hkv): GQA 1, 4, 8
-
-
-def fresh_gen() -> torch.Generator:
-    return torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
-
-
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    return float((out.float() - want.float()).norm() / want.float().norm())
-
-
-def paged_slots(lens: list[int], page_size: int, gen: torch.Generator) -> tuple[list[torch.Tensor], int]:
-    """Each sequence on its own scattered pages; returns per-sequence slots and the pool size."""
-    pages = [-(-n // page_size) for n in lens]
-    total = sum(pages) + 3  # a few pages nobody uses
-    order = torch.randperm(total, generator=gen, device=DEV)
-    slots, used = [], 0
-    for n, p in zip(lens, pages):
-        seq_pages = order[used:used + p]
-        used += p
-        s = (seq_pages[:, None] * page_size + torch.arange(page_size, device=DEV)[None, :]).reshape(-1)
-        slots.append(s[:n])
-    return slots, total * page_size
-
-
-def table_of(slots: list[torch.Tensor], extra_rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """A req-to-token table with unused rows between requests; returns (table, rows)."""
-    width = max(s.numel() for s in slots) + 5
-    table = torch.zeros(len(slots) * extra_rows + 1, width, dtype=torch.int64, device=DEV)
-    rows = torch.arange(len(slots), device=DEV) * extra_rows + 1
-    for r, s in zip(rows.tolist(), slots):
-        table[r, : s.numel()] = s
-    return table, rows
-
-
-def random_pool(num_slots: int, hkv: int, d: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype),
-            torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [HALF, torch.float32])

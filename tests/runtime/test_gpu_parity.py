@@ -1,5 +1,5 @@
-"""End to end on CUDA with the Triton backend (auto), with prefix hits from L1 and load-back from
-L2 (kernel copies), with and without decode CUDA graphs (batches of 3 replay the 4-row graph
+"""End to end on CUDA with the Triton backend (and FlashInfer's where it is installed), with prefix
+hits from L1 and load-back from L2, with and without decode CUDA graphs (batches of 3 replay the 4-row graph
 with a padding row). Skipped without CUDA.
 
 - SmolLM2 (the default GGUF, when the cache folder holds it): greedy outputs equal HF
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from hicache import Engine
-from hicache.runtime.attention import TritonAttention
+from hicache.kernels import flashinfer
+from hicache.runtime.attention import FlashInferAttention, SplitAttention, TritonAttention
 from hicache.runtime.default_model import FILE_NAME, hicache_home
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,14 +39,18 @@ def hf_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
     return outs
 
 
-def two_rounds(engine: Engine, prompts: list[list[int]], second: list[list[int]], new: int, filler: int):
+def two_rounds(engine: Engine, prompts: list[list[int]], second: list[list[int]], new: int, filler: int,
+               backends: tuple[type, type] = (TritonAttention, TritonAttention)):
     """Round 1; then unrelated prompts push everything out of L1 (L2 keeps it); then round 2."""
     first = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=new))
     for p in range(len(prompts)):
         engine.generate(input_ids=[[9 + p] * filler], sampling_params=dict(GREEDY, max_new_tokens=1))
     again = engine.generate(input_ids=second, sampling_params=dict(GREEDY, max_new_tokens=new))
     engine.check_integrity()
-    assert isinstance(engine.scheduler.runner.attn.impl, TritonAttention)
+    attn = engine.scheduler.runner.attn
+    attn = getattr(attn, "impl", attn)  # what "auto" resolved to
+    prefill, decode = (attn.prefill, attn.decode) if isinstance(attn, SplitAttention) else (attn, attn)
+    assert (type(prefill), type(decode)) == backends
     return first, again
 
 
@@ -87,7 +92,8 @@ def test_smollm2_greedy_equals_hf(smollm2, dtype, page_size, graphs):
                for c in chats]
     second = [p + tok(" Answer again.").input_ids for p in prompts]
     with Engine(str(path), dtype=dtype, page_size=page_size, max_total_tokens=1536, hicache_ratio=8.0,
-                max_running_requests=4, chunked_prefill_size=256, disable_cuda_graph=not graphs) as engine:
+                max_running_requests=4, chunked_prefill_size=256, disable_cuda_graph=not graphs,
+                attention_backend="triton") as engine:
         first, again = two_rounds(engine, prompts, second, 16, filler=700)
         assert (engine.scheduler.runner.graphs is not None) == graphs
     check_tiers(first, again, prefix=256)
@@ -140,6 +146,22 @@ def assert_hf_argmax(model, prompts: list[list[int]], outs: list[list[int]], rel
                                                         (64, "layer_first", True, "direct"),
                                                         (16, "page_first", False, "direct")])
 def test_random_weights_pick_hf_argmax(checkpoint, dtype, page_size, layout, graphs, io):
+    run_random_weights(checkpoint, dtype, page_size, layout, graphs, io, "triton", (TritonAttention, TritonAttention))
+
+
+@pytest.mark.skipif(not flashinfer.available(), reason="needs flashinfer")
+@pytest.mark.parametrize("page_size,layout,graphs,io", [(1, "layer_first", True, "direct"),
+                                                        (64, "page_first", True, "kernel"),
+                                                        (16, "layer_first", False, "direct")])
+def test_random_weights_pick_hf_argmax_flashinfer(checkpoint, page_size, layout, graphs, io):
+    """The same with FlashInfer's kernels (bf16: they take no fp32), and with what "auto" picks when
+    it is installed: FlashInfer's for prefill and extend, Triton's for decode."""
+    fi = FlashInferAttention
+    run_random_weights(checkpoint, "bfloat16", page_size, layout, graphs, io, "flashinfer", (fi, fi))
+    run_random_weights(checkpoint, "bfloat16", page_size, layout, graphs, io, "auto", (fi, TritonAttention))
+
+
+def run_random_weights(checkpoint, dtype, page_size, layout, graphs, io, backend, backend_classes):
     path, hf_cpu = checkpoint
     rng = random.Random(page_size)
     system = [rng.randrange(3, VOCAB) for _ in range(300)]
@@ -147,8 +169,8 @@ def test_random_weights_pick_hf_argmax(checkpoint, dtype, page_size, layout, gra
     second = [p + [5, 6, 7] for p in prompts]
     with Engine(str(path), load_format="safetensors", dtype=dtype, page_size=page_size, hicache_mem_layout=layout,
                 max_total_tokens=1280, hicache_ratio=8.0, max_running_requests=4, chunked_prefill_size=256,
-                disable_cuda_graph=not graphs, hicache_io_backend=io) as engine:
-        first, again = two_rounds(engine, prompts, second, NEW, filler=600)
+                disable_cuda_graph=not graphs, hicache_io_backend=io, attention_backend=backend) as engine:
+        first, again = two_rounds(engine, prompts, second, NEW, filler=600, backends=backend_classes)
         assert (engine.scheduler.runner.graphs is not None) == graphs
     hf = copy.deepcopy(hf_cpu).to("cuda", getattr(torch, dtype))  # Module.to() is in place: a bf16 pass
     # on the shared fixture model would leave its fp32 weights rounded for the tests after it
