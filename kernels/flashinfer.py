@@ -28,16 +28,15 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in HALF_DTYPES and head_dim in HEAD_DIMS
 
 
-def kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, kv_starts: torch.Tensor,
-               total: int) -> torch.Tensor:
+def kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, total: int) -> torch.Tensor:
     """The slots of tokens [0, kv_lens[i]) of table row rows[i], request after request: [total]
     int32 on the table's device (total = sum(kv_lens), given so that nothing waits for the device).
-    rows, kv_lens, kv_starts (exclusive prefix sums of kv_lens): [N] int64 on that device."""
-    for name, t in (("rows", rows), ("kv_lens", kv_lens), ("kv_starts", kv_starts)):
+    rows, kv_lens: [N] int64 on that device."""
+    for name, t in (("rows", rows), ("kv_lens", kv_lens)):
         index_vector(name, t, rows.numel())
         require(t.device == req_to_token.device, f"{name} is on {t.device}, the table on {req_to_token.device}")
     seq = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), kv_lens, output_size=total)
-    pos = torch.arange(total, device=rows.device) - kv_starts[seq]
+    pos = torch.arange(total, device=rows.device) - (kv_lens.cumsum(0) - kv_lens)[seq]
     return req_to_token[rows[seq], pos].to(torch.int32)
 
 

@@ -135,8 +135,7 @@ class FlashInferAttention:
     def _plan(self, num_heads: int, k_buf: torch.Tensor, batch: ForwardBatch) -> None:
         if self._kernels is None:
             self._kernels = self._make(num_heads, k_buf)
-        kv_lens = batch.prefix_lens + batch.extend_lens_dev
-        indices = self._fi.kv_indices(batch.req_to_token, batch.req_rows, kv_lens, kv_lens.cumsum(0) - kv_lens,
+        indices = self._fi.kv_indices(batch.req_to_token, batch.req_rows, batch.prefix_lens + batch.extend_lens_dev,
                                       sum(batch.kv_lens))
         if batch.mode == "decode":
             self._kernels.plan_decode(indices, batch.kv_lens, self.scale)
@@ -159,7 +158,7 @@ class FlashInferAttention:
     def before_replay(self, state, rows: torch.Tensor, seq_lens: torch.Tensor, lens: list[int],
                       req_table: ReqToTokenTable) -> None:
         """Plans the graph's wrapper for these rows (device [bs] int64) of these lengths."""
-        indices = self._fi.kv_indices(req_table.table, rows, seq_lens, seq_lens.cumsum(0) - seq_lens, sum(lens))
+        indices = self._fi.kv_indices(req_table.table, rows, seq_lens, sum(lens))
         state.plan_decode(indices, lens, self.scale)
 
 

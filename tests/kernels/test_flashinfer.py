@@ -30,13 +30,11 @@ def test_kv_indices_lists_each_rows_slots_in_order():
     lens = [1, 300, 17, 64, 2]
     slots, _ = paged_slots(lens, 16, gen)
     table, rows = table_of(slots)
-    kv_lens = torch.tensor(lens, device=DEV)
-    out = fi.kv_indices(table, rows, kv_lens, kv_lens.cumsum(0) - kv_lens, sum(lens))
+    out = fi.kv_indices(table, rows, torch.tensor(lens, device=DEV), sum(lens))
     assert out.dtype == torch.int32
     assert torch.equal(out.long(), torch.cat(slots))
     shorter = [n - 1 for n in lens[1:]]  # a prefix of each row, other rows
-    kv_lens = torch.tensor(shorter, device=DEV)
-    out = fi.kv_indices(table, rows[1:], kv_lens, kv_lens.cumsum(0) - kv_lens, sum(shorter))
+    out = fi.kv_indices(table, rows[1:], torch.tensor(shorter, device=DEV), sum(shorter))
     assert torch.equal(out.long(), torch.cat([s[:n] for s, n in zip(slots[1:], shorter)]))
 
 
@@ -44,9 +42,9 @@ def test_kv_indices_rejects_bad_arguments():
     table = torch.zeros(4, 8, dtype=torch.int64, device=DEV)
     rows = torch.tensor([0, 1], device=DEV)
     with pytest.raises(ValueError, match="kv_lens"):
-        fi.kv_indices(table, rows, torch.tensor([1], device=DEV), torch.tensor([0], device=DEV), 1)
-    with pytest.raises(ValueError, match="kv_starts"):
-        fi.kv_indices(table, rows, torch.tensor([1, 1], device=DEV), torch.tensor([0.0, 1.0], device=DEV), 2)
+        fi.kv_indices(table, rows, torch.tensor([1], device=DEV), 1)
+    with pytest.raises(ValueError, match="kv_lens"):
+        fi.kv_indices(table, rows, torch.tensor([1.0, 1.0], device=DEV), 2)
 
 
 def test_supports_half_dtypes_and_common_head_sizes():
@@ -60,8 +58,7 @@ def make(hq: int, hkv: int, d: int, dtype, graph_batch: int | None = None, buffe
 
 
 def indices_of(table, rows, lens: list[int]) -> torch.Tensor:
-    kv_lens = torch.tensor(lens, device=DEV)
-    return fi.kv_indices(table, rows, kv_lens, kv_lens.cumsum(0) - kv_lens, sum(lens))
+    return fi.kv_indices(table, rows, torch.tensor(lens, device=DEV), sum(lens))
 
 
 @needs_flashinfer
