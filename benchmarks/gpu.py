@@ -164,7 +164,7 @@ def flashinfer_kernels(f: dict) -> dict:
         buffers = fi.PagedAttention.graph_buffers(batch, batch * 2048, torch.device("cuda"))
         floor = batch * 2048 * HKV * D * 2 * 2 / f["d2d_bytes_per_s"]
         for cores in (False, True):
-            attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, torch.device("cuda"), workspace, batch, buffers,
+            attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, workspace, batch, buffers,
                                      tensor_cores=cores)
             attn.plan_decode(table.reshape(-1).int(), [2048] * batch, D ** -0.5)
             t = graph_timed(lambda: attn.run(q, k, v))
@@ -172,7 +172,7 @@ def flashinfer_kernels(f: dict) -> dict:
             row(f"flashinfer decode attention{' (tensor cores)' * cores}, 1 layer, batch {batch} x 2k (graph)",
                 f"{t * 1e6:.1f} us", f"{t / floor:.2f}x the KV-read floor {floor * 1e6:.1f} us")
         del k, v
-    attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, torch.device("cuda"), workspace)
+    attn = fi.PagedAttention(HQ, HKV, D, torch.bfloat16, workspace)
     for prefix, ext in ((0, 8192), (31 * 1024, 1024)):
         table, slots = paged_rows(1, prefix + ext)
         k = torch.randn(slots, HKV, D, dtype=torch.bfloat16, device="cuda")

@@ -40,6 +40,11 @@ def kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Te
     return req_to_token[rows[seq], pos].to(torch.int32)
 
 
+def _ones(lens: list[int]) -> torch.Tensor:
+    """Each request's last page holds one token (pages of one token): host int32."""
+    return torch.ones(len(lens), dtype=torch.int32)
+
+
 def _indptr(lens: list[int]) -> torch.Tensor:
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=out[1:])
@@ -58,7 +63,7 @@ class PagedAttention:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, workspace: torch.Tensor, graph_batch: int | None = None,
+                 workspace: torch.Tensor, graph_batch: int | None = None,
                  buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  tensor_cores: bool | None = None):
         require(supports(dtype, head_dim), f"flashinfer attention needs fp16/bf16 and head_dim in {HEAD_DIMS}, "
@@ -67,7 +72,6 @@ class PagedAttention:
 
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.dtype = dtype
-        self.device = device
         self._planned: torch.cuda.Event | None = None
         if tensor_cores is None:  # decode on the matrix units when a KV head serves 4+ query heads
             tensor_cores = num_qo_heads // num_kv_heads >= 4
@@ -82,7 +86,6 @@ class PagedAttention:
                 paged_kv_indptr_buffer=indptr[:graph_batch + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:graph_batch])
         self._active = self._decode
-        self._ones = torch.ones(graph_batch or 0, dtype=torch.int32)
 
     @staticmethod
     def graph_buffers(max_batch: int, max_tokens: int, device: torch.device):
@@ -108,7 +111,7 @@ class PagedAttention:
         to the request's KV; `indices` from `kv_indices`."""
         hq, hkv, d = self.heads
         self._before_plan()
-        self._prefill.plan(_indptr(q_lens), _indptr(kv_lens), indices, torch.ones(len(kv_lens), dtype=torch.int32),
+        self._prefill.plan(_indptr(q_lens), _indptr(kv_lens), indices, _ones(kv_lens),
                            hq, hkv, d, 1, causal=True, sm_scale=scale, q_data_type=self.dtype,
                            kv_data_type=self.dtype)
         self._after_plan()
@@ -117,9 +120,8 @@ class PagedAttention:
     def plan_decode(self, indices: torch.Tensor, kv_lens: list[int], scale: float) -> None:
         """One query token per request, the last of its kv_lens[i] tokens."""
         hq, hkv, d = self.heads
-        last = self._ones if len(kv_lens) == self._ones.numel() else torch.ones(len(kv_lens), dtype=torch.int32)
         self._before_plan()
-        self._decode.plan(_indptr(kv_lens), indices, last, hq, hkv, d, 1, sm_scale=scale,
+        self._decode.plan(_indptr(kv_lens), indices, _ones(kv_lens), hq, hkv, d, 1, sm_scale=scale,
                           q_data_type=self.dtype, kv_data_type=self.dtype)
         self._after_plan()
         self._active = self._decode

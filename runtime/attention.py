@@ -117,8 +117,8 @@ class FlashInferAttention:
     def _make(self, num_heads: int, k_buf: torch.Tensor, graph_batch: int | None = None):
         if self._workspace is None:
             self._workspace = torch.zeros(self._fi.WORKSPACE_BYTES, dtype=torch.uint8, device=k_buf.device)
-        return self._fi.PagedAttention(num_heads, k_buf.shape[1], self.head_dim, k_buf.dtype, k_buf.device,
-                                       self._workspace, graph_batch, self._graph_buffers)
+        return self._fi.PagedAttention(num_heads, k_buf.shape[1], self.head_dim, k_buf.dtype, self._workspace,
+                                       graph_batch, self._graph_buffers)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -183,11 +183,11 @@ class SplitAttention:
 
 
 class AutoAttention:
-    """A choice that names "auto": made on the first forward pass (or graph capture), when the
-    KV pool's device and dtype are known (the model's device is only known once it runs)."""
+    """"auto" (with `decode_name` for decode): chosen on the first forward pass (or graph capture),
+    when the KV pool's device and dtype are known (the model's device is only known once it runs)."""
 
-    def __init__(self, head_dim: int, name: str = "auto", decode_name: str = "auto"):
-        self.head_dim, self.names = head_dim, (name, decode_name)
+    def __init__(self, head_dim: int, decode_name: str = "auto"):
+        self.head_dim, self.names = head_dim, ("auto", decode_name)
         self.impl = None
 
     def resolve(self, device: torch.device, dtype: torch.dtype):
@@ -232,5 +232,5 @@ def make_attention_backend(name: str, head_dim: int, decode_name: str = "auto"):
         if value not in NAMES:
             raise ValueError(f"{option} must be one of {', '.join(NAMES)}, got {value!r}")
     if name == "auto":
-        return AutoAttention(head_dim, name, decode_name)
+        return AutoAttention(head_dim, decode_name)
     return build(name, name if decode_name == "auto" else decode_name, head_dim)

@@ -54,7 +54,7 @@ def test_supports_half_dtypes_and_common_head_sizes():
 
 def make(hq: int, hkv: int, d: int, dtype, graph_batch: int | None = None, buffers=None) -> fi.PagedAttention:
     workspace = torch.zeros(fi.WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
-    return fi.PagedAttention(hq, hkv, d, dtype, torch.device(DEV), workspace, graph_batch, buffers)
+    return fi.PagedAttention(hq, hkv, d, dtype, workspace, graph_batch, buffers)
 
 
 def indices_of(table, rows, lens: list[int]) -> torch.Tensor:
