@@ -15,7 +15,8 @@ load-back, also with the engine's cap on programs, and backup),
 prefill, through the Engine), `l2` (an
 extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `rounds` (issue 7's
 multi-turn workload in process: L1 only, L1 + L2, and L1 holding everything; `--profile` traces a
-round of L1 + L2), `hf` (64 x 1k prompts x 128 new tokens, HF transformers vs ours). Run the model parts in separate processes so that each
+round of L1 + L2), `hf` (64 x 1k prompts x 128 new tokens, HF transformers vs ours, medians of 3 runs, and the
+bound from the floors). Run the model parts in separate processes so that each
 engine's GPU memory is released. Kernel timings are medians with CUDA events; model timings are
 wall clock around `Engine.generate`.
 """
@@ -536,33 +537,44 @@ def trace_summary(path: str, title: str) -> None:
     print(f"  compute idle spans over 0.3 ms: {len(gaps)} (listed in {path}.gaps.txt)")
 
 
-def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128) -> dict:
-    """Output tokens per second, HF transformers (bf16, sdpa, its KV cache) vs ours, same shapes."""
+def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128, reps: int = 3) -> dict:
+    """Output tokens per second, HF transformers (bf16, sdpa, its KV cache) vs ours, same shapes,
+    each the median of `reps` runs (ours on fresh prompts each time: no cache hits), and ours
+    against the bound from the floors (prefill at the GEMM rate, decode steps at the copy rate)."""
     import gc
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rng = torch.Generator().manual_seed(2)
-    ps = prompts(n, length, rng)
+    runs = [prompts(n, length, rng) for _ in range(reps)]
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).eval()
     torch.set_default_dtype(torch.float32)
-    ids = torch.tensor(ps, device="cuda")
+    ids = torch.tensor(runs[0], device="cuda")
     run = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0)
     warm = torch.tensor(prompts(8, length, rng), device="cuda")  # both sides warm up on the same shapes
     hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    t_hf = wall(run)
+    hf_runs = [wall(run) for _ in range(reps)]
     del hf
     gc.collect()
     torch.cuda.empty_cache()
     with engine(max_total_tokens=200_000, hicache_size=20, max_running_requests=256) as eng:
         eng.generate(input_ids=warm.tolist(), sampling_params=greedy(8))  # warm-up (Triton JIT), other tokens
-        t_ours = wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(new)))
-    out = {"hf_tok_per_s": n * new / t_hf, "ours_tok_per_s": n * new / t_ours}
-    row(f"HF transformers, {n} x {length} prompts x {new} new", f"{out['hf_tok_per_s']:.0f} output tok/s")
-    row("hicache, same", f"{out['ours_tok_per_s']:.0f} output tok/s", f"{t_hf / t_ours:.1f}x HF")
+        ours_runs = [wall(lambda: eng.generate(input_ids=ps, sampling_params=greedy(new))) for ps in runs]
+    t_hf, t_ours = statistics.median(hf_runs), statistics.median(ours_runs)
+    prefill = (2 * LINEAR_PARAMS * n * length + n * attention_flops(0, length)) / f["gemm_flops"]
+    decode = sum(WEIGHT_BYTES + n * (length + j) * KV_TOKEN_BYTES for j in range(1, new)) / f["d2d_bytes_per_s"]
+    bound = n * new / (prefill + decode)
+    out = {"hf_tok_per_s": n * new / t_hf, "ours_tok_per_s": n * new / t_ours, "bound_tok_per_s": bound,
+           "hf_runs_s": hf_runs, "ours_runs_s": ours_runs}
+    row(f"HF transformers, {n} x {length} prompts x {new} new (median of {reps})",
+        f"{out['hf_tok_per_s']:.0f} output tok/s", "runs " + ", ".join(f"{t:.2f} s" for t in hf_runs))
+    row("hicache, same", f"{out['ours_tok_per_s']:.0f} output tok/s",
+        f"{t_hf / t_ours:.1f}x HF; runs " + ", ".join(f"{t:.2f} s" for t in ours_runs))
+    row("bound from the floors (prefill at the GEMM rate, decode at the copy rate)", f"{bound:.0f} output tok/s",
+        f"hicache at {out['ours_tok_per_s'] / bound:.2f} of it; {bound * t_hf / (n * new):.1f}x HF at most")
     return out
 
 
