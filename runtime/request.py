@@ -38,6 +38,7 @@ class Req:
         self.finish_reason: dict | None = None
         self.new_logprobs: list = []
         self.arrival_seq = 0
+        self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
 
     @property
     def all_ids(self) -> list[int]:

@@ -96,6 +96,23 @@ class Scheduler:
         if self.storage is not None:
             self.storage.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
+    def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
+        """Runs one greedy request (a prefill, then decode steps) before serving, so that the
+        GPU kernels compile now (Triton's in seconds, FlashInfer's on its first use in minutes)
+        rather than in a user's first request. It leaves nothing behind: a namespace of its own,
+        no prefetch, nothing given to the tree (nothing reaches L2 or L3), no arrival number
+        (unseeded sampling draws as without it) and the counters as they were."""
+        vocab = self.model_config.vocab_size
+        ids = [(1 + i * 7919) % vocab for i in range(prompt_tokens)]
+        params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}, vocab)
+        req = Req("hicache-warm-up", ids, params, "hicache-warm-up", None, False, 0)
+        req.arrival_seq, req.cache_kv = -1, False
+        counters = dict(self.counters)
+        self.waiting.append(req)
+        while self.has_requests():
+            self.step()
+        self.counters.update(counters)
+
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):
             self.overlap.apply()  # its launched step first
@@ -421,7 +438,7 @@ class Scheduler:
             reason = self.stop_checker.check(req, self.context_length)
             if reason is not None:
                 self.running.remove(req)
-                self._release(req)
+                self._release(req, keep_kv=req.cache_kv)
                 self.counters["requests_finished"] += 1
             self._emit(req, [token], reason, logprobs)
 

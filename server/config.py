@@ -12,7 +12,8 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by /v1/models and expected in requests; default: the model's own name."})
     max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
-    startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model."})
+    startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
+    skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
 
     def __post_init__(self) -> None:

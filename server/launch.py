@@ -32,7 +32,7 @@ def run(server_config: ServerConfig, runtime_config, cache_config, factory: str 
 
 
 async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str) -> int:
-    tm = TokenizerManager(runtime_config, cache_config, factory=factory)
+    tm = TokenizerManager(runtime_config, cache_config, factory=factory, warm_up=not server_config.skip_server_warmup)
     _cancel_on_signals(asyncio.current_task())
     try:
         print(f"hicache: loading {runtime_config.model_path or 'the default model (SmolLM2-135M-Instruct)'} ...",

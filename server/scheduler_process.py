@@ -37,20 +37,22 @@ DEFAULT_FACTORY = "hicache.runtime.scheduler:Scheduler"
 IDLE_POLL_MS = 1000
 
 
-def start(paths: IpcPaths, runtime_config, cache_config, factory: str = DEFAULT_FACTORY):
-    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started)."""
+def start(paths: IpcPaths, runtime_config, cache_config, factory: str = DEFAULT_FACTORY, warm_up: bool = True):
+    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). With
+    `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=main,
         name="hicache-scheduler",
-        args=(paths, asdict(runtime_config), asdict(cache_config), factory, os.getpid()),
+        args=(paths, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up),
         daemon=True,
     )
     proc.start()
     return proc
 
 
-def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str, parent_pid: int) -> None:
+def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str, parent_pid: int,
+         warm_up: bool = True) -> None:
     """Process entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
@@ -59,6 +61,10 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
     inbox, outbox = _connect(ctx, paths)
     try:
         sched = _build(factory, runtime_kwargs, cache_kwargs)
+        if warm_up:
+            t0 = time.perf_counter()
+            sched.warm_up()
+            logger.info("warm-up request done in %.1f s", time.perf_counter() - t0)
         outbox.send(pack([_ready(sched)]))
         SchedulerLoop(sched, inbox, outbox, parent_pid).run()
         sched.close()

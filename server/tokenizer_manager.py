@@ -64,11 +64,11 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, runtime_config, cache_config, metrics: ServerMetrics | None = None,
-                 factory: str = scheduler_process.DEFAULT_FACTORY) -> None:
+                 factory: str = scheduler_process.DEFAULT_FACTORY, warm_up: bool = True) -> None:
         self.runtime_config = runtime_config
         self.cache_config = cache_config
         self.metrics = metrics or ServerMetrics()
-        self.factory = factory
+        self.factory, self.warm_up = factory, warm_up
         self.paths = IpcPaths.fresh()
         self.tokenizer = None
         self.info: SchedulerReady | None = None
@@ -82,14 +82,16 @@ class TokenizerManager:
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self, timeout: float) -> None:
-        """Spawn the scheduler, load the tokenizer meanwhile, wait until the model is loaded."""
+        """Spawn the scheduler, load the tokenizer meanwhile, wait until the model is loaded (and
+        warmed up)."""
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._send_sock = self._sync_ctx.socket(zmq.PUSH)
         self._send_sock.bind(self.paths.to_scheduler)
         self._recv_sock = self._async_ctx.socket(zmq.PULL)
         self._recv_sock.bind(self.paths.from_scheduler)
-        self.proc = scheduler_process.start(self.paths, self.runtime_config, self.cache_config, self.factory)
+        self.proc = scheduler_process.start(self.paths, self.runtime_config, self.cache_config, self.factory,
+                                            self.warm_up)
         tok_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, self.runtime_config))
         self.info = await self._wait_ready(timeout)
         self.tokenizer = await tok_task

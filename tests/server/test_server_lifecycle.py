@@ -143,3 +143,18 @@ def test_sigterm_while_loading_stops_the_scheduler_too():
     assert proc.wait(60) != 0
     time.sleep(0.5)
     assert not [k for k in kids if pid_alive(k)], "a child outlived the server"
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_warm_up_runs_before_ready_and_counts_in_no_statistic(skip):
+    handle = start_server(*LIGHT_FLAGS, *(["--skip-server-warmup"] if skip else []))
+    try:
+        stats = httpx.get(handle.url + "/hicache/stats", timeout=30).json()
+        assert ("warm-up request done" in handle.log.read_text()) != skip
+        assert stats["requests_finished"] == 0 and stats["tokens"]["prompt"] == stats["tokens"]["generation"] == 0
+        assert stats["tiers"]["device"]["cached_tokens"] == stats["tiers"]["device"]["used_tokens"] == 0
+        r = httpx.post(handle.url + "/generate", timeout=60, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
+    finally:
+        handle.stop()
