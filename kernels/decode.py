@@ -20,7 +20,7 @@ MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one build for every split count
 def _decode_split(Q, K, V, Table, Rows, SeqLens, PartOut, PartLse, scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, num_splits,
@@ -70,7 +70,7 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, PartOut, PartLse, scale_log2,
     tl.store(PartLse + b.to(tl.int64) * stride_lb + q_heads * stride_lh + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge(PartOut, PartLse, Out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                   stride_ob, stride_oh, num_splits, SPLITS_P2: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

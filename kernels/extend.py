@@ -44,7 +44,7 @@ def _attend(acc, m, l, q, K, V, Table, row, kvh, n0, q_pos, kv_end, scale_log2,
     return acc, m_new, l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_M_BLOCKS"])  # one build for every prompt length
 def _extend(Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, scale_log2,
             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_ot, stride_oh,
             NUM_M_BLOCKS, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -22,7 +22,7 @@ from hicache.kernels.checks import index_vector, require
 BLOCK_T = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "first_layer"])  # one build for every size and layer
 def _copy(Host, DevPtrs, HostSlots, DevSlots, n, first_layer, num_layers_total,
           h_stride_page, h_stride_kv, h_stride_layer,
           HOST_PAGE: tl.constexpr, ROW: tl.constexpr, ROW_P2: tl.constexpr, BLOCK_T: tl.constexpr,
