@@ -8,7 +8,6 @@ scheduling (runtime/overlap.py) the result of a step is applied during the next 
 from __future__ import annotations
 
 import collections
-import gc
 import itertools
 import logging
 import time
@@ -51,11 +50,6 @@ class Scheduler:
         overlap = self.rc.enable_overlap_schedule or (self.runner.device.type == "cuda"
                                                       and not self.rc.disable_overlap_schedule)
         self.overlap = OverlapLoop(self) if overlap else None  # runtime/overlap.py
-        # What start-up built (modules, model, tokenizer, graphs) lives as long as the process: out
-        # of the collector's sight, a full collection scans only what requests allocate. Otherwise
-        # it paused a 64-request decode batch for ~100 ms on an H100 host (benchmarks/RESULTS.md).
-        gc.collect()
-        gc.freeze()
 
     # ---- front-end calls -------------------------------------------------------------------
 
