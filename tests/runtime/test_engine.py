@@ -105,4 +105,3 @@ def test_chat_names_paris(engine):
     out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                       {"temperature": 0, "max_new_tokens": 32})
     assert "Paris" in out["text"]
-
