@@ -13,8 +13,8 @@ cuBLAS and through the Triton few-row kernel, then `transfers`: 32k-token
 load-back, also with the engine's cap on programs, and backup),
 `l1` (decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k
 prefill, through the Engine), `l2` (an
-extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `rounds` (issue 7's
-multi-turn workload in process: L1 only, L1 + L2, and L1 holding everything; `--profile` traces a
+extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `rounds` (the GPU
+multi-turn workload of benchmarks/RESULTS.md, in process: L1 only, L1 + L2, and L1 holding everything; `--profile` traces a
 round of L1 + L2), `hf` (64 x 1k prompts x 128 new tokens, HF transformers vs ours, medians of 3 runs, and the
 bound from the floors). Run the model parts in separate processes so that each
 engine's GPU memory is released. Kernel timings are medians with CUDA events; model timings are
@@ -335,7 +335,7 @@ def decode_step(eng, ps: list[list[int]], steps: int) -> float:
 
 def model_l1(f: dict, overlap: str = "both", batches=(1, 16, 64, 256), l1_tokens: int | None = None) -> dict:
     """Decode steps at batch 1..256 (context 2k), overlap scheduling off and/or on, and an 8k
-    prefill, on L1 alone. `decode_step_b*_s` is overlap off (as measured before overlap existed),
+    prefill, on L1 alone. `decode_step_b*_s` is overlap off,
     `decode_step_overlap_b*_s` overlap on. A batch whose KV does not fit the pool is skipped."""
     out, rng, steps = {}, torch.Generator().manual_seed(0), 32
     modes = {"off": [False], "on": [True], "both": [False, True]}[overlap]
@@ -405,7 +405,7 @@ def model_l2(f: dict) -> dict:
 
 def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048, profile: str | None = None,
                  names=("L1", "L1+L2", "L1 holds all")) -> dict:
-    """Issue 7's GPU multi-turn workload in process, without HTTP: every round each of `clients`
+    """The GPU multi-turn workload (benchmarks/RESULTS.md) in process, without HTTP: every round each of `clients`
     conversations appends `turn` new tokens and all are submitted together (one output token each).
     L1 holds 20% of the working set. Configurations: L1 only, L1 + L2 (5.2 x L1), and L1 holding
     everything (what L1 + L2 would take if its loads cost nothing). With `profile`, round 5 of L1 + L2

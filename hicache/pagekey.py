@@ -1,4 +1,4 @@
-"""Page keys (DESIGN §3): `key_i = sha256(key_{i-1} + int32-LE token ids of page i)`, chained from
+"""Page keys (docs/formats.md): `key_i = sha256(key_{i-1} + int32-LE token ids of page i)`, chained from
 a namespace seed, so a key names a page together with its whole prefix, its model, KV dtype, page
 size, layout, TP rank and size, and cache salt: two of those never share a key.
 """

@@ -84,7 +84,7 @@ def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a dtype and head size."""
     if dtype == torch.float32:
         return 64, 32, 4, 2
-    return 128, 64, 4, 3  # the best of a sweep on an H200 (head_dim 128): 358-376 TFLOP/s
+    return 128, 64, 4, 3  # the best of a parameter sweep at head_dim 128 (benchmarks/RESULTS.md)
 
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,

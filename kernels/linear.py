@@ -2,8 +2,8 @@
 
 Needs triton and a CUDA device; import this module lazily (the model does, on CUDA only). At
 decode batch sizes a linear layer only streams its weight, and cuBLAS reads the Llama o and down
-weights well below the copy bandwidth (H200, M = 1: 1.70x and 1.15x the floor; this kernel 1.47x
-and 1.08x). One program owns BLOCK_N output columns for every row and walks K in BLOCK_K steps,
+weights well below the copy bandwidth, where this kernel measured closer to it
+(benchmarks/RESULTS.md). One program owns BLOCK_N output columns for every row and walks K in BLOCK_K steps,
 several loads of W deep. fp32 accumulation; 16-bit dtypes only. Reference: `torch.nn.functional.linear`.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _linear_rows(X, W, Out, M, N, K, stride_xm, stride_wn, stride_om,
 
 
 def prefers(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Where this kernel beat cuBLAS on an H100 and an H200: up to 16 rows of bf16/fp16 against a
+    """Where this kernel measured faster than cuBLAS on Hopper GPUs: up to 16 rows of bf16/fp16 against a
     contiguous weight no wider than it is deep (o, down; cuBLAS was as fast or faster on q/k/v
     and gate/up)."""
     return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
@@ -57,7 +57,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             f"x and w must be both bf16 or both fp16, got {x.dtype} and {w.dtype}")
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=device)
-    if m:  # 2 warps, up to 6 loads of W in flight: tuned on an H200 (benchmarks/RESULTS.md, issue 6)
+    if m:  # 2 warps, up to 6 loads of W in flight: the best measured (benchmarks/RESULTS.md)
         stages = pipeline_stages(device, BLOCK_N * BLOCK_K * x.element_size(), (6, 4, 3, 2))
         _linear_rows[(triton.cdiv(n, BLOCK_N),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
                                                  BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

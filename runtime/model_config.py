@@ -1,7 +1,7 @@
 """`ModelConfig`: the architecture of a Llama-family model, read from an HF config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
-5.x (`rope_parameters`) spellings. `fingerprint` namespaces cache keys (DESIGN §3): two models
+5.x (`rope_parameters`) spellings. `fingerprint` namespaces cache keys (docs/formats.md): two models
 whose KV could differ never share it.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tokenizers: from a GGUF file (transformers reads vocab, merges and chat template from its
 metadata) or from an HF model folder.
 
-Building a tokenizer from GGUF metadata takes ~5 s (measured for SmolLM2); a saved copy loads in
-~0.15 s. So the first load saves the tokenizer under `$HICACHE_HOME/tokenizers/<key>/` (key: the
+Building a tokenizer from GGUF metadata takes seconds; a saved copy loads in a small fraction of
+that. So the first load saves the tokenizer under `$HICACHE_HOME/tokenizers/<key>/` (key: the
 file's path, size, mtime and the transformers version) and later loads read that folder. A folder
 with no tokenizer files (e.g. dummy weights from a bare config.json) yields None: callers must
 then pass input_ids themselves.

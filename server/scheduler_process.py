@@ -84,8 +84,8 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
 
 def _freeze_heap() -> None:
     """What start-up built (modules, model, tokenizer, graphs) lives as long as this process: out
-    of the collector's sight, a full collection scans only what requests allocate. Without it one
-    paused a 64-request decode batch for ~100 ms on an H100 host (benchmarks/RESULTS.md). Only here,
+    of the collector's sight, a full collection scans only what requests allocate. Without it a full
+    collection could pause a large decode batch for a noticeable time (benchmarks/RESULTS.md). Only here,
     in a process the scheduler owns: in a process that builds and drops schedulers (the in-process
     `Engine`, tests) frozen objects that die later would never be collected."""
     gc.collect()

@@ -37,7 +37,7 @@ class TreeNode:
         self.last_access = 0  # logical clock of the last match/insert through this node
         self.hit_count = 0  # inserts that found this node already present
         self.stale = False  # device copy not trusted (its load failed): never matched, dropped when unlocked
-        # L3 keys (hex, DESIGN §3) of this node's pages, chained from the parent's last key; filled by
+        # L3 keys (hex, docs/formats.md) of this node's pages, chained from the parent's last key; filled by
         # the StorageController when first needed (its ancestors' with it), split with the node
         self.page_keys: list[str] | None = None
         self.id = next(TreeNode._next_id)

@@ -1,8 +1,8 @@
 """GGUF weights (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named fp32 tensors.
 
 `GGUFFile` parses the header itself: `gguf.GGUFReader` builds a numpy view for every element of
-the tokenizer's string arrays and spends ~3 s on SmolLM2's 98k strings; we only need the scalars
-and tensor offsets (~0.1 s). Tensors are memory-mapped and dequantised with
+the tokenizer's string arrays, which takes seconds on a vocabulary of ~100k strings; we only need
+the scalars and tensor offsets, which parse in a small fraction of that. Tensors are memory-mapped and dequantised with
 `gguf.quants.dequantize`; constants come from the `gguf` package. llama.cpp's converter permutes the rows of q and k
 weights for its interleaved RoPE; `_unpermute` undoes it exactly as transformers' GGUF loader
 does (`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF.

@@ -3,8 +3,8 @@
 `cuMemcpyBatchAsync` (CUDA drivers 12.8 and later) queues a list of (dst, src, size) copies on a
 stream in one call; the DMA engines run them at the link's rate and no SM is taken from the
 compute they overlap (the Triton gather kernel of io_backend "kernel" holds SMs, and a load-back
-beside an extend slows both). On an H100, one call per layer of 968 scattered 128 KiB pages moved
-54.4 GB/s, one large copy 54.9 GB/s. The driver spends ~0.5 us per copy in the call, so
+beside an extend slows both). One call per layer of scattered pages measured about as fast as one
+large copy (benchmarks/RESULTS.md). The driver spends host time on every copy in the call, so
 `page_copies` first pairs the slots up into runs contiguous on both sides (pages backed up
 together were allocated together), and the transfer engine queues a load's layers as the forward
 pass reaches them rather than all at once before it.
