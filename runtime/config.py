@@ -1,10 +1,13 @@
 """`RuntimeConfig`: the engine's options (model, memory, scheduling). CLI defaults are read from here.
 
-Option names are SGLang's CLI flag names in snake_case.
+Option names are SGLang's CLI flag names in snake_case. Attention backend names are checked by the
+attention registry (`hicache.runtime.attention.check_names`, torch-free), which holds the one list.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from hicache.runtime.attention import check_names
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,7 @@ class RuntimeConfig:
             raise ValueError(f"load_format must be auto, gguf, safetensors or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("attention_backend", "decode_attention_backend"):
-            if getattr(self, name) not in ("auto", "flashinfer", "triton", "torch"):
-                raise ValueError(f"{name} must be auto, flashinfer, triton or torch, got {getattr(self, name)!r}")
+        check_names(self.attention_backend, self.decode_attention_backend)  # the registry's names
         if self.disable_overlap_schedule and self.enable_overlap_schedule:
             raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
         if self.max_running_requests < 1:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from hicache.runtime.attention import GraphAttentionBackend
 from hicache.runtime.batch import ForwardBatch
 from hicache.runtime.pinned import tensor_to
 
@@ -25,18 +26,19 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 class DecodeGraphs:
     """Captured decode graphs of `model` over `pool` / `req_table` with the attention backend
-    `attn` (`impl`: the backend it is, or resolved to, one whose decode runs in graphs).
+    `attn` (one whose `graphs` is true).
 
     Only the scheduler thread calls `run`. Its logits are views into the graph's output buffer,
     valid until the next `run`.
     """
 
-    def __init__(self, model: torch.nn.Module, pool, req_table, attn, impl, device: torch.device, max_batch: int):
-        self.model, self.pool, self.req_table, self.attn, self.impl = model, pool, req_table, attn, impl
+    def __init__(self, model: torch.nn.Module, pool, req_table, attn: GraphAttentionBackend, device: torch.device,
+                 max_batch: int):
+        self.model, self.pool, self.req_table, self.attn = model, pool, req_table, attn
         self.sizes = sorted({b for b in BUCKETS if b < max_batch} | {min(max_batch, BUCKETS[-1])})
         self.inputs = torch.zeros((3, self.sizes[-1]), dtype=torch.int64, device=device)  # ids, rows, seq_lens
         self.inputs[2].fill_(1)
-        self.states = {bs: impl.capture_state(bs, self.sizes[-1], model.config.num_heads, pool, req_table)
+        self.states = {bs: attn.capture_state(bs, self.sizes[-1], model.config.num_heads, pool, req_table)
                        for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -89,6 +91,6 @@ class DecodeGraphs:
             self.inputs[1:, :bs].copy_(tensor_to(host, self.inputs.device))
         else:
             self.inputs[:, :bs].copy_(tensor_to([ids + ids[:1] * pad] + host, self.inputs.device))
-        self.impl.before_replay(self.states[bs], self.inputs[1, :bs], self.inputs[2, :bs], host[1], self.req_table)
+        self.attn.before_replay(self.states[bs], self.inputs[1, :bs], self.inputs[2, :bs], host[1], self.req_table)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from hicache.runtime.attention import AutoAttention
+from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
@@ -18,7 +18,7 @@ from hicache.tiers.gpu.req_table import ReqToTokenTable
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: DeviceKVPool, req_table: ReqToTokenTable,
-                 attn, device: torch.device, cuda_graph: bool = False, max_batch: int = 256):
+                 attn: AttentionBackend, device: torch.device, cuda_graph: bool = False, max_batch: int = 256):
         self.model = model
         self.pool = pool
         self.req_table = req_table
@@ -31,12 +31,9 @@ class ModelRunner:
         """Decode CUDA graphs when the decode backend is triton or flashinfer (the torch one syncs)."""
         from hicache.runtime.cuda_graph import DecodeGraphs
 
-        impl = self.attn
-        if isinstance(impl, AutoAttention):
-            impl = impl.resolve(self.device, self.pool.k_buffer(0).dtype)
-        if not impl.graphs:
+        if not self.attn.graphs:
             return None
-        return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, impl, self.device, max_batch)
+        return DecodeGraphs(self.model, self.pool, self.req_table, self.attn, self.device, max_batch)
 
     def run(self, plan: BatchPlan) -> StepOutput:
         """Runs the plan and waits for its tokens."""

@@ -1,37 +1,54 @@
-"""Attention backend selection (CPU side): auto resolves by device, bad names are refused."""
+"""The attention registry (CPU side): names are checked once, "auto" resolves by device, dtype and
+head size, `make_attention` returns a concrete backend."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hicache.kernels import flashinfer
-from hicache.runtime.attention import (AutoAttention, SplitAttention, TorchAttention, make_attention_backend,
-                                       resolve_attention_backends)
+from hicache.runtime.attention import NAMES, SplitAttention, make_attention, resolve
+from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.config import RuntimeConfig
+
+CPU, CUDA, BF16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+# hicache.kernels.flashinfer is patched by its dotted name, imported only when a test runs: importing
+# it here would import kernels.checks before tests/kernels/kernel_env.py turns Triton's interpreter on
+AVAILABLE = "hicache.kernels.flashinfer.available"
 
 
 def test_auto_is_torch_on_cpu():
-    cpu = torch.device("cpu")
-    assert resolve_attention_backends("auto", "auto", cpu, torch.bfloat16, 128) == ("torch", "torch")
-    assert resolve_attention_backends("torch", "auto", torch.device("cuda"), torch.bfloat16, 128) == ("torch", "torch")
+    assert resolve("auto", "auto", CPU, BF16, 128) == ("torch", "torch")
+    assert resolve("auto", "auto", CPU, torch.float32, 64) == ("torch", "torch")
+    assert resolve("torch", "auto", CUDA, BF16, 128) == ("torch", "torch")  # named: kept
+    assert isinstance(make_attention("auto", "auto", CPU, torch.float32, 64), TorchAttention)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the CUDA choices need triton")
 def test_auto_on_cuda_prefills_on_flashinfer_where_it_serves_the_pool_and_decodes_on_triton(monkeypatch):
-    cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    monkeypatch.setattr(flashinfer, "available", lambda: False)  # flashinfer not installed
-    assert resolve_attention_backends("auto", "auto", cuda, bf16, 128) == ("triton", "triton")
-    monkeypatch.setattr(flashinfer, "available", lambda: True)
-    assert resolve_attention_backends("auto", "auto", cuda, bf16, 128) == ("flashinfer", "triton")
-    assert resolve_attention_backends("auto", "auto", cuda, torch.float16, 64) == ("flashinfer", "triton")
-    assert resolve_attention_backends("auto", "auto", cuda, torch.float32, 128) == ("triton", "triton")  # no fp32 kernels
-    assert resolve_attention_backends("auto", "auto", cuda, bf16, 96) == ("triton", "triton")  # nor this head size
-    assert resolve_attention_backends("auto", "flashinfer", cuda, bf16, 128) == ("flashinfer", "flashinfer")
-    assert resolve_attention_backends("flashinfer", "auto", cuda, bf16, 128) == ("flashinfer", "flashinfer")
-    assert resolve_attention_backends("triton", "flashinfer", cuda, bf16, 128) == ("triton", "flashinfer")
+    # resolve takes the device as an argument: only flashinfer's presence needs faking
+    monkeypatch.setattr(AVAILABLE, lambda: False)  # flashinfer not installed
+    assert resolve("auto", "auto", CUDA, BF16, 128) == ("triton", "triton")
+    monkeypatch.setattr(AVAILABLE, lambda: True)
+    assert resolve("auto", "auto", CUDA, BF16, 128) == ("flashinfer", "triton")
+    assert resolve("auto", "auto", CUDA, torch.float16, 64) == ("flashinfer", "triton")
+    assert resolve("auto", "auto", CUDA, torch.float32, 128) == ("triton", "triton")  # no fp32 kernels
+    assert resolve("auto", "auto", CUDA, BF16, 96) == ("triton", "triton")  # nor this head size
+    assert resolve("auto", "flashinfer", CUDA, BF16, 128) == ("flashinfer", "flashinfer")
+    assert resolve("auto", "torch", CUDA, BF16, 128) == ("flashinfer", "torch")
+    assert resolve("flashinfer", "auto", CUDA, BF16, 128) == ("flashinfer", "flashinfer")
+    assert resolve("triton", "flashinfer", CUDA, BF16, 128) == ("triton", "flashinfer")
+    assert resolve("auto", "auto", CPU, BF16, 128) == ("torch", "torch")  # flashinfer present, no CUDA
+
+
+def test_auto_on_cuda_without_triton_is_torch(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr(AVAILABLE, lambda: True)
+    assert resolve("auto", "auto", CUDA, BF16, 128) == ("torch", "torch")
 
 
 def test_prefill_and_decode_on_different_backends():
@@ -46,41 +63,59 @@ def test_prefill_and_decode_on_different_backends():
             self.modes.append(batch.mode)
             return q
 
+        def capture_state(self, bs, max_batch, num_heads, pool, req_table):
+            return ("state", bs)
+
+        def before_replay(self, state, rows, seq_lens, lens, req_table):
+            self.modes.append(state)
+
     prefill, decode = Probe(), Probe()
     prefill.graphs = False
     split = SplitAttention(prefill, decode)
     for mode in ("extend", "decode", "extend"):
         split.forward(None, None, None, 0, SimpleNamespace(mode=mode))
     assert prefill.modes == ["extend", "extend"] and decode.modes == ["decode"] and split.graphs
-    assert isinstance(make_attention_backend("torch", 64, "torch"), TorchAttention)
+    split.before_replay(split.capture_state(4, 8, 2, None, None), None, None, [1] * 4, None)
+    assert decode.modes[-1] == ("state", 4) and prefill.modes == ["extend", "extend"]
+    assert not SplitAttention(decode, prefill).graphs
+    assert isinstance(make_attention("torch", "torch", CPU, torch.float32, 64), TorchAttention)
+    assert isinstance(make_attention("torch", "auto", CPU, torch.float32, 64), TorchAttention)
 
 
-def test_auto_backend_picks_torch_for_cpu_tensors(tiny_config_path):
+def test_engine_on_cpu_runs_the_torch_backend(tiny_config_path):
     from hicache.runtime.engine import Engine
 
     with Engine(str(tiny_config_path), load_format="dummy", max_total_tokens=256, device="cpu",
                 disable_hierarchical_cache=True) as engine:
-        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 2})
         attn = engine.scheduler.runner.attn
+        assert isinstance(attn, TorchAttention)  # resolved when built, before any pass
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 2})
     assert len(out["output_ids"]) == 2
-    assert isinstance(attn, AutoAttention) and isinstance(attn.impl, TorchAttention)
 
 
 def test_bad_names_are_refused():
-    with pytest.raises(ValueError, match="attention_backend"):
+    assert NAMES == ("auto", "torch", "triton", "flashinfer")
+    with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, triton, flashinfer"):
         RuntimeConfig(attention_backend="flash")
-    with pytest.raises(ValueError, match="decode_attention_backend"):
+    with pytest.raises(ValueError, match="^decode_attention_backend"):
         RuntimeConfig(decode_attention_backend="flash")
-    with pytest.raises(ValueError, match="attention_backend"):
-        make_attention_backend("flash", 64)
-    with pytest.raises(ValueError, match="decode_attention_backend"):
-        make_attention_backend("torch", 64, "flash")
+    with pytest.raises(ValueError, match="^attention_backend"):
+        resolve("flash", "auto", CPU, torch.float32, 64)
+    with pytest.raises(ValueError, match="^decode_attention_backend"):
+        make_attention("torch", "flash", CPU, torch.float32, 64)
+    for name in NAMES:
+        RuntimeConfig(attention_backend=name, decode_attention_backend=name)  # valid where they cannot run
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_triton_and_flashinfer_without_cuda_are_refused():
-    with pytest.raises(ValueError, match="CUDA"):
-        make_attention_backend("triton", 64)
+def test_triton_and_flashinfer_off_cuda_are_refused():
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
+        make_attention("triton", "auto", CPU, torch.float32, 64)
     with pytest.raises(ValueError, match="'flashinfer' needs a CUDA device"):
-        make_attention_backend("flashinfer", 64)
-    RuntimeConfig(attention_backend="flashinfer")  # a valid name: refused only where it cannot run
+        make_attention("flashinfer", "auto", CPU, BF16, 64)
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
+        make_attention("torch", "triton", CPU, torch.float32, 64)
+
+
+def test_config_checks_names_without_torch():
+    code = "import sys, hicache.runtime.config, hicache.runtime.attention; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

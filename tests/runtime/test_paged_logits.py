@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hicache.runtime.attention import TorchAttention
+from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.batch import ForwardBatch
 from hicache.tiers.gpu.pool import DeviceKVPool
 
