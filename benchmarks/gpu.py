@@ -8,17 +8,15 @@
 Shapes are Llama-3.1-8B's (benchmarks/configs/llama-3.1-8b.json, dummy weights, bf16). Floors:
 device-to-device copy (bytes read + written / s), pinned host<->device copies of 1 GiB, bf16 GEMM
 8192^3. Parts: `kernels` (one layer's decode / extend attention, Triton's and FlashInfer's when
-installed, decode-sized linears through
-cuBLAS and through the Triton few-row kernel, then `transfers`: 32k-token
-load-back, also with the engine's cap on programs, and backup),
-`l1` (decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k
-prefill, through the Engine), `l2` (an
-extend of 1k tokens after a 31k prefix resident vs loaded back from L2), `rounds` (the GPU
-multi-turn workload of benchmarks/RESULTS.md, in process: L1 only, L1 + L2, and L1 holding everything; `--profile` traces a
-round of L1 + L2), `hf` (64 x 1k prompts x 128 new tokens, HF transformers vs ours, medians of 3 runs, and the
-bound from the floors). Run the model parts in separate processes so that each
-engine's GPU memory is released. Kernel timings are medians with CUDA events; model timings are
-wall clock around `Engine.generate`.
+installed, decode-sized linears through cuBLAS and through the Triton few-row kernel, then
+`transfers`: 32k-token load-back, also with the engine's cap on programs, and backup), `l1`
+(decode steps at batch 1..256 with context 2k, with overlap scheduling off and on, an 8k prefill,
+through the Engine), `l2` (an extend of 1k tokens after a 31k prefix resident vs loaded back from
+L2), `rounds` (the GPU multi-turn workload of benchmarks/RESULTS.md, in process: L1 only, L1 + L2,
+and L1 holding everything; `--profile` traces a round of L1 + L2), `hf` (64 x 1k prompts x 128 new
+tokens, HF transformers vs ours, medians of 3 runs, and the bound from the floors). Run the model
+parts in separate processes so that each engine's GPU memory is released. Kernel timings are
+medians with CUDA events; model timings are wall clock around `Engine.generate`.
 """
 from __future__ import annotations
 
@@ -216,9 +214,10 @@ def transfers(f: dict) -> dict:
     from hicache.kernels.transfer import copy_kv, layer_pointers
     from hicache.tiers.host.copy_engine import BatchCopier, page_copies
     from hicache.tiers.host.pool import HostKVPool
-    from hicache.tiers.host.transfer import LOAD_BLOCKS
+    from hicache.config import HiCacheConfig
 
     out = {}
+    blocks = HiCacheConfig().hicache_load_blocks  # the engine's default cap on programs
     tokens, page = 32 * 1024, 64
     k_bufs = [torch.zeros(tokens + 4096, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
     v_bufs = [torch.zeros_like(b) for b in k_bufs]
@@ -240,9 +239,9 @@ def transfers(f: dict) -> dict:
         out[f"load_{layout}_bytes_per_s"] = nbytes / t
         row(f"load-back 32k tokens ({layout}, 32 per-layer launches)", f"{nbytes / t / 1e9:.1f} GB/s",
             f"{nbytes / t / f['h2d_bytes_per_s']:.2f} of pinned H2D")
-        t = timed(lambda: load(LOAD_BLOCKS), reps=5)  # what the engine runs beside compute
+        t = timed(lambda: load(blocks), reps=5)  # what the engine runs beside compute
         out[f"load_{layout}_capped_bytes_per_s"] = nbytes / t
-        row(f"  same, {LOAD_BLOCKS} programs per layer and K/V (the engine's load-back)",
+        row(f"  same, {blocks} programs per layer and K/V (the engine's load-back)",
             f"{nbytes / t / 1e9:.1f} GB/s", f"{nbytes / t / f['h2d_bytes_per_s']:.2f} of pinned H2D")
         copier, stream = BatchCopier(torch.device("cuda")), torch.cuda.Stream()  # not the legacy stream
         h_cpu, d_cpu = hslots.cpu(), dslots.cpu()
@@ -362,7 +361,7 @@ def model_l1(f: dict, overlap: str = "both", batches=(1, 16, 64, 256), l1_tokens
                     f"{step * 1e3:.2f} ms", f"{step / floor:.2f}x the floor {floor * 1e3:.2f} ms")
             replay = graph_replay(eng, batch)
             out[f"decode_replay_b{batch}_s"] = replay
-            row(f"  its graph replay alone (GPU time of the step)", f"{replay * 1e3:.2f} ms", f"{replay / floor:.2f}x")
+            row("  its graph replay alone (GPU time of the step)", f"{replay * 1e3:.2f} ms", f"{replay / floor:.2f}x")
         times = []
         for _ in range(3):
             p = prompts(1, 8192, rng)
@@ -552,8 +551,11 @@ def vs_hf(f: dict, n: int = 64, length: int = 1024, new: int = 128, reps: int = 
         hf = LlamaForCausalLM(LlamaConfig.from_json_file(str(CONFIG))).eval()
     torch.set_default_dtype(torch.float32)
     ids = torch.tensor(runs[0], device="cuda")
-    run = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0)
+
+    def run():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+
     warm = torch.tensor(prompts(8, length, rng), device="cuda")  # both sides warm up on the same shapes
     hf.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False, pad_token_id=0)
     hf_runs = [wall(run) for _ in range(reps)]

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
-IO_BACKENDS = ("direct", "kernel")
 STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -23,6 +22,9 @@ class HiCacheConfig:
     hicache_write_policy: str = field(default="write_through", metadata={"help": "When device KV is copied to host: write_through (on insert), write_through_selective (on the second hit) or write_back (on eviction)."})
     hicache_mem_layout: str = field(default="layer_first", metadata={"help": "Host pool layout: layer_first (per-layer contiguous, like L1) or page_first (all layers of a page contiguous)."})
     hicache_io_backend: str = field(default="direct", metadata={"help": "Host <-> device copies on CUDA: direct (the copy engines, a layer's pages in one cuMemcpyBatchAsync; the kernel where the driver lacks it) or kernel (a Triton gather kernel, which holds SMs); plain torch copies on CPU either way."})
+    hicache_load_layerwise: bool = field(default=True, metadata={"help": "On CUDA, a load-back's layers are waited for one at a time: layer i's attention waits for layer i only, so loading overlaps compute (--no-hicache-load-layerwise: the pass waits for the whole load)."})
+    hicache_load_ahead_layers: int = field(default=2, metadata={"help": "Layers of a layer-wise load-back queued ahead of the layer the forward pass waits for (queuing every layer before the pass costs the host the time its own launches need)."})
+    hicache_load_blocks: int = field(default=16, metadata={"help": "Programs per layer and K/V of the Triton gather kernel that loads pages back (io_backend kernel, or direct where the driver lacks batched copies): more moves pages faster but takes more SMs from the compute it overlaps."})
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
@@ -34,9 +36,12 @@ class HiCacheConfig:
             raise ValueError(f"radix_eviction_policy must be lru or lfu, got {self.radix_eviction_policy!r}")
         _choice("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("hicache_mem_layout", self.hicache_mem_layout, MEM_LAYOUTS)
-        _choice("hicache_io_backend", self.hicache_io_backend, IO_BACKENDS)
+        _choice("hicache_io_backend", self.hicache_io_backend, _io_backends())
         if not self.hicache_ratio > 0:
             raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_load_ahead_layers < 0 or self.hicache_load_blocks < 1:
+            raise ValueError("hicache_load_ahead_layers must be >= 0 and hicache_load_blocks >= 1, got "
+                             f"{self.hicache_load_ahead_layers} and {self.hicache_load_blocks}")
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
         _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
@@ -74,6 +79,14 @@ def parse_extra(text: str | None) -> dict:
     if not isinstance(value, dict):
         raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
     return value
+
+
+def _io_backends() -> tuple[str, ...]:
+    """The transfer engine's names (`hicache.tiers.base`, which imports torch: importing this
+    module needs none)."""
+    from hicache.tiers.base import IO_BACKENDS
+
+    return IO_BACKENDS
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -26,9 +26,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from hicache.config import WRITE_POLICIES
 from hicache.storage import StorageController, StorageOptions
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
-from hicache.tree import MatchResult, RadixTree, TreeNode, nodes_covering
+from hicache.transfers import Op, Transfers
+from hicache.tree import MatchResult, RadixTree, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +45,10 @@ class LoadBack(NamedTuple):
     refused: str = ""  # "" (loaded), "short" (under the minimum), "room" (no L1 room yet), "failed"
 
 
-class _Op(NamedTuple):
-    """An in-flight transfer: the node pieces it covers ((node, tokens) as submitted; splits may
-    have cut a node since, into it and the ancestors above it) and the nodes it locked."""
-
-    kind: str  # "backup" | "load"
-    pieces: tuple[tuple[TreeNode, int], ...]
-    locked: tuple[TreeNode, ...]
-    tokens: int
-
-
 class CacheController:
     def __init__(self, tree: RadixTree, host_pool: HostPool | None = None, transfer: TransferEngine | None = None,
                  write_policy: str = "write_through", load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS):
-        if write_policy not in ("write_through", "write_through_selective", "write_back"):
+        if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         if (host_pool is None) != (transfer is None):
             raise ValueError("give both a host pool and a transfer engine, or neither")
@@ -64,18 +56,16 @@ class CacheController:
             raise ValueError("the tree's host allocator must be the host pool's")
         self.tree = tree
         self.host_pool = host_pool
-        self.transfer = transfer
+        self.transfers = Transfers(tree, transfer)
         self.write_policy = write_policy
         self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
         self.enabled = host_pool is not None and not tree.disabled
-        self._ops: dict[int, _Op] = {}
-        self._failed: dict[int, _Op] = {}  # failed loads not yet reported by poll(): still "pending"
         self._stale: list[TreeNode] = []
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
 
     def attach_storage(self, engine: StorageEngine, seed: bytes, options: StorageOptions, backend: str) -> None:
-        """Adds L3 over `engine`; `seed` is the namespace seed of the page keys (DESIGN §3)."""
+        """Adds L3 over `engine`; `seed` is the namespace seed of the page keys (docs/formats.md)."""
         if not self.enabled:
             raise ValueError("L3 needs the host tier (L2)")
         self.storage = StorageController(self.tree, engine, seed, options, self._alloc_host, backend,
@@ -84,6 +74,14 @@ class CacheController:
     @property
     def disabled(self) -> bool:
         return self.tree.disabled
+
+    @property
+    def transfer(self) -> TransferEngine | None:
+        return self.transfers.engine
+
+    @transfer.setter
+    def transfer(self, engine: TransferEngine | None) -> None:
+        self.transfers.engine = engine
 
     # ---- match and locks ------------------------------------------------------------------
 
@@ -99,19 +97,12 @@ class CacheController:
     def pending_loads(self, node: TreeNode | None) -> frozenset[int]:
         """Tickets of loads on `node`'s path that are in flight, or failed and not yet reported by
         `poll()`: a request ending there must wait for them (and is recomputed if they failed)."""
-        loads = [(t, op) for t, op in (*self._ops.items(), *self._failed.items()) if op.kind == "load"]
-        if not loads or node is None:
-            return frozenset()
-        path = set()
-        while node is not None:
-            path.add(node)
-            node = node.parent
-        return frozenset(t for t, op in loads if any(p in path for p in self._op_nodes(op)))
+        return self.transfers.pending_loads(node)
 
     def loads_done(self, tickets: frozenset[int]) -> bool:
         """True once every load in `tickets` has landed (a failed one counts as not done until
         `poll()` has reported it)."""
-        return not any(t in self._ops or t in self._failed for t in tickets)
+        return self.transfers.loads_done(tickets)
 
     def layer_waiter(self, tickets: frozenset[int]) -> Callable[[int | None], None]:
         """For a forward pass over pages that the loads `tickets` may still be writing: a function
@@ -119,24 +110,13 @@ class CacheController:
         to make the compute stream wait for layer i of those loads, on the device (no host sync).
         It does nothing for loads already finished (or failed). An engine without per-layer waits
         blocks for the whole copy."""
-        live = [t for t in tickets if t in self._ops]
-        per_layer = getattr(self.transfer, "wait_layer", None)
-
-        def wait(layer: int | None) -> None:
-            for t in live:
-                if per_layer is not None:
-                    per_layer(t, layer)
-                else:
-                    self.transfer.synchronize(t)
-        return wait
+        return self.transfers.layer_waiter(tickets)
 
     def settle_loads(self, tickets: frozenset[int]) -> None:
         """Blocks until the loads in `tickets` have finished or failed; the next `poll()` reports
         them. (After a forward pass that waited for them and a sampler that synced, on CUDA this
         costs nothing.)"""
-        for t in tickets:
-            if t in self._ops:
-                self.transfer.synchronize(t)
+        self.transfers.settle(tickets)
 
     # ---- load-back ------------------------------------------------------------------------
 
@@ -172,10 +152,10 @@ class CacheController:
         last = chain[-1]
         self.tree.lock(last)  # the caller's lock moves down to the loaded part
         self.tree.unlock(match.last_node)
-        ticket = self._submit("load", chain, (last,), lambda: self.transfer.load(host, slots))
-        self._collect()
-        if ticket in self._failed:  # failed at once: nobody used the pages; undo and recompute
-            del self._failed[ticket]
+        ticket = self.transfers.submit("load", chain, (last,), lambda: self.transfer.load(host, slots))
+        self.collect()
+        if ticket in self.transfers.failed:  # failed at once: nobody used the pages; undo and recompute
+            del self.transfers.failed[ticket]
             self.tree.lock(match.last_node)
             self.tree.unlock(last)
             self.drop_stale()
@@ -230,8 +210,9 @@ class CacheController:
             self.tree.attach_host(node, host[pos:pos + len(node.key)])
             pos += len(node.key)
         device = torch.cat([node.device_slots for node in nodes])
-        ticket = self._submit("backup", nodes, tuple(nodes) if lock else (), lambda: self.transfer.backup(device, host))
-        self._collect()
+        ticket = self.transfers.submit("backup", nodes, tuple(nodes) if lock else (),
+                                       lambda: self.transfer.backup(device, host))
+        self.collect()
         return ticket
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
@@ -257,9 +238,9 @@ class CacheController:
         ticket = self._backup([node], lock=False)
         if ticket is None:
             return False
-        if ticket in self._ops:
+        if ticket in self.transfers.ops:
             self.transfer.synchronize(ticket)
-            self._collect()
+            self.collect()
         return node.host_slots is not None
 
     def evict_host(self, num_tokens: int) -> int:
@@ -269,19 +250,9 @@ class CacheController:
 
     # ---- completion -----------------------------------------------------------------------
 
-    def _submit(self, kind: str, nodes: list[TreeNode], locked: tuple[TreeNode, ...], start) -> int:
-        for node in nodes:
-            node.host_pin += 1
-        for node in locked:
-            self.tree.lock(node)
-        op = _Op(kind, tuple((node, len(node.key)) for node in nodes), locked, sum(len(n.key) for n in nodes))
-        ticket = start()
-        self._ops[ticket] = op
-        return ticket
-
     def busy(self) -> bool:
         """L1 <-> L2 copies or L3 operations in flight (folded in by `poll`)."""
-        return bool(self._ops) or (self.storage is not None and self.storage.busy())
+        return bool(self.transfers.ops) or (self.storage is not None and self.storage.busy())
 
     def start_loads(self) -> None:
         """Starts the load-backs submitted so far: an engine may hold them back so that one batch's
@@ -303,31 +274,19 @@ class CacheController:
         them, then call `drop_stale()`."""
         self.drop_stale()
         self.start_loads()
-        self._collect()
+        self.collect()
         if self.storage is not None:
             self.storage.poll()
-        failed, self._failed = frozenset(self._failed), {}
-        return failed
+        return self.transfers.take_failed()
 
     def collect(self) -> None:
         """Folds in finished transfers (their pins and locks released) without reporting failed
         loads: the next `poll()` reports them."""
-        self._collect()
+        for op, res in self.transfers.finished():
+            self._finish(op, res)
 
-    def _collect(self) -> None:
-        if self.transfer is None:
-            return
-        for res in self.transfer.poll():
-            op = self._ops.pop(res.ticket, None)
-            if op is not None:
-                self._finish(op, res)
-
-    def _finish(self, op: _Op, res: TransferResult) -> None:
-        nodes = self._op_nodes(op)
-        for node in nodes:
-            node.host_pin -= 1
-        for node in op.locked:
-            self.tree.unlock(node)
+    def _finish(self, op: Op, res: TransferResult) -> None:
+        nodes = op.nodes()
         kind = "loaded_back" if op.kind == "load" else "backed_up"
         if res.ok:
             self.counters[f"{kind}_tokens"] += res.tokens
@@ -346,10 +305,6 @@ class CacheController:
             for node in nodes:
                 node.stale = True
                 self._stale.append(node)
-            self._failed[res.ticket] = op
-
-    def _op_nodes(self, op: _Op) -> list[TreeNode]:
-        return nodes_covering(op.pieces)
 
     def drop_stale(self) -> None:
         """Drops the L1 copies of nodes whose load failed, deepest first, once nothing locks them
@@ -366,8 +321,8 @@ class CacheController:
 
     def flush(self) -> bool:
         """Empties L1 and L2 (the caller has no running request). False while transfers run."""
-        self._collect()
-        if self._ops or (self.storage is not None and not self.storage.quiesce()):
+        self.collect()
+        if self.transfers.ops or (self.storage is not None and not self.storage.quiesce()):
             return False
         self.tree.reset()
         self._stale = []
@@ -385,15 +340,12 @@ class CacheController:
                 "load_back_seconds": round(c["load_back_seconds"], 6), "backup_seconds": round(c["backup_seconds"], 6),
                 "transfer_failures": c["transfer_failures"], "load_back_recomputed_tokens": c["load_back_recomputed_tokens"],
                 "load_back_deferred": c["load_back_deferred"],
-                "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self._ops),
+                "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self.transfers.ops),
                 "bytes_per_token": self.host_pool.bytes_per_token(), "write_policy": self.write_policy,
                 "layout": getattr(self.host_pool, "layout", "")}
 
     def expected_pins(self) -> dict[TreeNode, int]:
-        pins: dict[TreeNode, int] = collections.Counter()
-        for op in self._ops.values():
-            for node in self._op_nodes(op):
-                pins[node] += 1
+        pins = self.transfers.expected_pins()
         if self.storage is not None:
             pins.update(self.storage.pins())
         return pins
@@ -410,8 +362,7 @@ class CacheController:
         if request_locks is None:
             return
         want = collections.Counter({n: c for n, c in request_locks.items() if n.parent is not None})
-        for op in self._ops.values():
-            want.update(op.locked)
+        want.update(self.transfers.locks())
         for node in self.tree.nodes():
             assert node.direct_locks == want.get(node, 0), (
                 f"{node!r}: {node.direct_locks} direct locks, requests and transfers account for {want.get(node, 0)}")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from hicache.manager import LoadHandle
     from hicache.runtime.request import Req
     from hicache.tiers.gpu.pool import DeviceKVPool
 
@@ -18,8 +19,8 @@ class BatchPlan:
     For request i: compute tokens [starts[i], starts[i] + extend_lens[i]) of `req.all_ids`; the KV
     slots of tokens [0, starts[i] + extend_lens[i]) are already in the request-to-token table.
     sample[i] is False for a prefill chunk that does not reach the end of `all_ids`.
-    `kv_wait` is set when some request's prefix is still being loaded back from L2: the pass calls
-    it with each layer before that layer's attention (`CacheController.layer_waiter`).
+    `loads` is set when some request's prefix is still being loaded back from L2: the pass calls
+    its `wait_layer` with each layer before that layer's attention (`hicache.manager.LoadHandle`).
     """
 
     mode: str  # "extend" | "decode"
@@ -27,8 +28,14 @@ class BatchPlan:
     starts: list[int]
     extend_lens: list[int]
     sample: list[bool]
-    kv_wait: Callable[[int | None], None] | None = None
+    loads: LoadHandle | None = None
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
+
+    def add(self, req: Req, start: int, n: int, sample: bool) -> None:
+        self.reqs.append(req)
+        self.starts.append(start)
+        self.extend_lens.append(n)
+        self.sample.append(sample)
 
     def kv_tokens(self) -> int:
         """KV tokens its requests hold once it has run (cached prefixes included)."""
@@ -40,7 +47,7 @@ class ForwardBatch:
     """Tensors for one forward pass, read by the model and the attention backend."""
 
     mode: str
-    attn: Any  # an attention backend (runtime/attention.py)
+    attn: Any  # an attention backend (runtime/attention/)
     pool: DeviceKVPool
     out_cache_loc: torch.Tensor  # [T] int64, device: slots of the new tokens
     extend_lens: list[int]
@@ -57,7 +64,7 @@ class ForwardBatch:
     max_seq_len: int = 0
     kv_lens: list[int] = field(default_factory=list)  # per request: KV tokens once the pass has run
     graph_state: Any = None  # inside a captured decode graph: the backend's state for its batch size
-    wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.kv_wait: called with the layer before its attention
+    wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer: called with the layer before its attention
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:

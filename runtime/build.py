@@ -10,12 +10,14 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.controller import CacheController
+from hicache.manager import CacheManager
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
-from hicache.runtime.attention import make_attention_backend
+from hicache.runtime.attention import make_attention
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.runner import ModelRunner
+from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
@@ -32,13 +34,12 @@ CPU_KV_CAP_BYTES = 2 << 30  # on CPU the L1 pool shares RAM with everything else
 
 
 class Components(NamedTuple):
+    """What the scheduler runs on."""
+
     model_config: ModelConfig
     tokenizer: Any | None
     pool: DeviceKVPool
-    req_table: ReqToTokenTable
-    tree: RadixTree
-    cache: CacheController  # the cache brain over the tree and, when L2 is on, the host tier
-    host_pool: HostKVPool | None
+    cache: CacheManager  # the scheduler's door to L1 (and L2, L3 when on)
     runner: ModelRunner
     context_length: int
     model_name: str
@@ -59,16 +60,17 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
     tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
                      host_allocator=host_pool.allocator if host_pool is not None else None)
-    transfer = HostTransferEngine(pool, host_pool, cc.hicache_io_backend) if host_pool is not None else None
-    cache = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
-    if cc.storage and cache.enabled:
-        attach_storage(cache, cc, rc, loaded, host_pool)
-    attn = make_attention_backend(rc.attention_backend, cfg.head_dim, rc.decode_attention_backend)
+    transfer = HostTransferEngine(pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise,
+                                  cc.hicache_load_ahead_layers, cc.hicache_load_blocks) if host_pool is not None else None
+    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
+    if cc.storage and controller.enabled:
+        attach_storage(controller, cc, rc, loaded, host_pool)
+    attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim)
     runner = ModelRunner(loaded.model, pool, req_table, attn, device,
                          cuda_graph=not rc.disable_cuda_graph, max_batch=rc.max_running_requests)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
                 pool.num_slots * pool.bytes_per_token() / 2**20, context)
-    return Components(cfg, loaded.tokenizer, pool, req_table, tree, cache, host_pool, runner, context, cfg.name)
+    return Components(cfg, loaded.tokenizer, pool, CacheManager(controller, req_table), runner, context, cfg.name)
 
 
 def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype) -> HostKVPool:
@@ -85,7 +87,7 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
 def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel,
                    host_pool: HostKVPool) -> None:
     """L3: the backend named by `hicache_storage_backend`, its I/O worker over the host pool, and
-    the page-key namespace (DESIGN §3: model, KV dtype, page size, layout, TP rank and size)."""
+    the page-key namespace (docs/formats.md: model, KV dtype, page size, layout, TP rank and size)."""
     options, backend_options = StorageOptions.split(cc.hicache_storage_prefetch_policy, cc.storage_extra)
     if cc.hicache_storage_backend == "lmdb":
         backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
@@ -126,3 +128,8 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
 
 def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_scheduler(rc: RuntimeConfig, cc: HiCacheConfig) -> Scheduler:
+    """A `Scheduler` over freshly built parts."""
+    return Scheduler(build(rc, cc), rc)

@@ -28,6 +28,8 @@ class RuntimeConfig:
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton or flashinfer backend)."})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t (overlap is on by default on CUDA)."})
     enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
+    disable_prefill_ahead: bool = field(default=False, metadata={"help": "With overlap scheduling, drain every prefill step (apply its results) before planning the next, instead of launching the next prefill step while it runs."})
+    prefill_ahead_l1_share: float = field(default=0.5, metadata={"help": "With prefill steps launched ahead and an L2: the share of the L1 pool that one prefill step's requests may hold together (past its first request), so that the next step's load-backs find room while it runs; 1: no cap."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
 
     def __post_init__(self) -> None:
@@ -42,5 +44,7 @@ class RuntimeConfig:
             raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if not 0 < self.prefill_ahead_l1_share <= 1:
+            raise ValueError(f"prefill_ahead_l1_share must be in (0, 1], got {self.prefill_ahead_l1_share}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from hicache.manager import Lease
 from hicache.runtime.sampling import SamplingParams
 
 
 class Req:
     """One generation request as the scheduler sees it.
 
-    KV ownership: slots [0, prefix_len) belong to the radix tree (locked through `last_node`);
-    slots [prefix_len, len(slots)) belong to this request. `kv_len` tokens of `all_ids` have
-    their KV computed. `slots` may run past kv_len up to the end of the last allocated page.
+    What it holds of the KV cache is its `lease` (`hicache.manager.Lease`: table row, slots, the
+    tree's prefix). `kv_len` tokens of `all_ids` have their KV computed; the lease's slots may run
+    past kv_len up to the end of the last allocated page.
     """
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, namespace: str,
@@ -24,19 +25,13 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.output_ids: list[int] = []
-        self.row: int | None = None  # request-to-token table row while it holds KV
-        self.slots = torch.empty(0, dtype=torch.int64)  # [allocated] int64, CPU
+        self.lease = Lease(namespace, self)
         self.kv_len = 0
-        self.prefix_len = 0
-        self.last_node = None
         self.cached_tokens: int | None = None  # prefix served from cache at first admission
         self.cached_host = 0  # the part of cached_tokens loaded back from L2 (and in L2 before it arrived)
         self.cached_storage = 0  # the part of cached_tokens that its L3 prefetch brought into L2
         self.storage_range = (0, 0)  # prompt tokens [start, end) its committed L3 prefetch inserted
-        self.wait_tickets: frozenset[int] = frozenset()  # in-flight load-backs its prefix needs
         self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
-        self.finish_reason: dict | None = None
-        self.new_logprobs: list = []
         self.arrival_seq = 0
         self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
 
@@ -52,7 +47,27 @@ class Req:
 
     @property
     def holds_kv(self) -> bool:
-        return self.row is not None
+        return self.lease.held
+
+    @property
+    def row(self) -> int | None:
+        """Its row of the request-to-token table while it holds KV."""
+        return self.lease.row
 
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt={len(self.input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"
+
+
+def check_prompt(ids: list[int], max_new_tokens: int, vocab_size: int, context_length: int, kv_tokens: int) -> None:
+    """Raises ValueError naming `input_ids` unless the prompt is non-empty, its ids are in the
+    vocabulary, and prompt + max_new_tokens fit the context and the KV pool (`kv_tokens`)."""
+    if not ids:
+        raise ValueError("input_ids: the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"input_ids: token ids must be in [0, {vocab_size})")
+    if len(ids) + max_new_tokens > context_length:
+        raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} "
+                         f"exceeds the context length {context_length}")
+    if len(ids) + max_new_tokens > kv_tokens:
+        raise ValueError(f"input_ids: prompt + max_new_tokens ({len(ids) + max_new_tokens}) exceeds "
+                         f"the KV pool ({kv_tokens} tokens)")

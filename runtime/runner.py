@@ -61,15 +61,15 @@ class ModelRunner:
         previous step's samples, before the host has them)."""
         rows = [i for i, s in enumerate(plan.sample) if s]
         if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
-            if plan.kv_wait is not None:  # a graph reads every layer: wait for whole load-backs
-                plan.kv_wait(None)
+            if plan.loads is not None:  # a graph reads every layer: wait for whole load-backs
+                plan.loads.wait_layer(None)
             ids = input_ids if input_ids is not None else [r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)]
             logits = self.graphs.run(ids, [r.row for r in plan.reqs], [s + 1 for s in plan.starts])
             return rows, _take_rows(logits, rows)
         ids, positions, batch = self._prepare(plan, input_ids)
         hidden = self.model(ids, positions, batch)
-        if plan.kv_wait is not None:  # what follows on the compute stream comes after the whole load
-            plan.kv_wait(None)
+        if plan.loads is not None:  # what follows on the compute stream comes after the whole load
+            plan.loads.wait_layer(None)
         if not rows:
             return rows, None
         ends = list(itertools.accumulate(plan.extend_lens))
@@ -84,7 +84,7 @@ class ModelRunner:
             locs.append(slots[start:])
             token_slots.append(slots)
         batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
-                             wait_kv=plan.kv_wait)
+                             wait_kv=plan.loads.wait_layer if plan.loads is not None else None)
         lens = torch.tensor(plan.extend_lens)
         starts = torch.tensor(plan.starts)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(plan.starts, plan.extend_lens)])

@@ -1,26 +1,27 @@
-"""The scheduler: continuous batching over the L1 pool and the radix tree.
+"""The scheduler: continuous batching over the KV cache.
 
-Only the thread that calls `step()` touches the scheduler, the tree and the pools. A step is
-`schedule()` (a BatchPlan: a prefill batch when prompts wait, else one decode token for every
-running request), `runner.run(plan)`, then `process_result(plan, output)`; with overlap
-scheduling (runtime/overlap.py) the result of a step is applied during the next one.
+Only the thread that calls `step()` touches the scheduler and its cache. A step is `schedule()`
+(a BatchPlan: a prefill batch when prompts wait, else one decode token for every running
+request), `runner.run(plan)`, then `process_result(plan, output)`; with overlap scheduling
+(runtime/overlap.py) the result of a step is applied during the next one.
+
+What a request holds of the cache goes through the `CacheManager` (`hicache.manager`): admit,
+grow, release, poll. Budget decisions (chunk sizes, order, retraction victim) are the
+`BudgetPolicy`'s (runtime/policy.py). Parts come from `runtime/build.py`.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import time
 
-import torch
-
-from hicache.config import HiCacheConfig
+from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
-from hicache.runtime.build import build
 from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.counters import Counters, usage
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
-from hicache.runtime.request import Req
+from hicache.runtime.policy import BudgetPolicy
+from hicache.runtime.request import Req, check_prompt
 from hicache.runtime.sampler import make_generator
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.stop import StopChecker
@@ -29,47 +30,38 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runtime_config: RuntimeConfig | None = None, cache_config: HiCacheConfig | None = None):
-        self.rc = runtime_config or RuntimeConfig()
-        self.cc = cache_config or HiCacheConfig()
-        parts = build(self.rc, self.cc)
+    def __init__(self, parts, rc: RuntimeConfig):
+        """`parts`: `runtime.build.Components` (model config, tokenizer, cache manager, runner)."""
+        self.rc = rc
         self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
-        self.pool, self.req_table, self.tree, self.runner = parts.pool, parts.req_table, parts.tree, parts.runner
-        self.cache = parts.cache  # the cache brain: match, load-back, insert, eviction over L1 and L2
+        self.cache: CacheManager = parts.cache
+        self.runner = parts.runner
         self.context_length, self.model_name = parts.context_length, parts.model_name
-        self.page_size = self.cc.page_size
-        self.alloc = self.pool.allocator
+        self.bytes_per_token = parts.pool.bytes_per_token()
+        self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
-        self.storage = self.cache.storage  # L3 prefetch and backup (None when off)
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
-                             retractions=0, requests_finished=0, requests_aborted=0)
-        overlap = self.rc.enable_overlap_schedule or (self.runner.device.type == "cuda"
-                                                      and not self.rc.disable_overlap_schedule)
-        self.overlap = OverlapLoop(self) if overlap else None  # runtime/overlap.py
+        self.counters = Counters()
+        self.queue_version = 0  # changes whenever the queue or the running set changes (arrival, admission, finish, abort, retraction)
+        self.early_releases = 0  # running requests that gave their slots back before finishing (retractions)
+        overlap = rc.enable_overlap_schedule or (self.runner.device.type == "cuda" and not rc.disable_overlap_schedule)
+        prefill_ahead = overlap and not rc.disable_prefill_ahead
+        self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
+                                   self.cache.has_host_tier)
+        self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
 
     # ---- front-end calls -------------------------------------------------------------------
 
     def validate(self, req: GenerateRequest) -> SamplingParams:
-        """Raises ValueError naming the bad field; returns the parsed sampling parameters."""
-        params = SamplingParams.from_dict(req.sampling_params, self.model_config.vocab_size)
-        ids = req.input_ids
-        if not ids:
-            raise ValueError("input_ids: the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"input_ids: token ids must be in [0, {self.model_config.vocab_size})")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(f"input_ids: prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} "
-                             f"exceeds the context length {self.context_length}")
-        if len(ids) + params.max_new_tokens > self.alloc.capacity_tokens():
-            raise ValueError(f"input_ids: prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds "
-                             f"the KV pool ({self.alloc.capacity_tokens()} tokens)")
-        if req.top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
-        return params
+        """Checks what needs the scheduler: prompt ids in the vocabulary, prompt + max_new_tokens
+        within the context and the KV pool (the front end parsed the sampling parameters). Raises
+        ValueError naming the bad field; returns the request's sampling parameters."""
+        check_prompt(req.input_ids, req.sampling_params.max_new_tokens, self.model_config.vocab_size,
+                     self.context_length, self.cache.capacity_tokens())
+        return req.sampling_params
 
     def add_request(self, msg: GenerateRequest) -> None:
         try:
@@ -84,11 +76,10 @@ class Scheduler:
         req.arrival_seq = seq
         if params.max_new_tokens == 0:
             req.cached_tokens = 0
-            self._finish(req, {"type": "length", "length": 0})
+            self._emit(req, [], {"type": "length", "length": 0}, None)
             return
-        self.waiting.append(req)
-        if self.storage is not None:
-            self.storage.prefetch(req.rid, req.all_ids[:-1], req.namespace)
+        self._enqueue(req)
+        self.cache.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
         """Runs one greedy request (a prefill, then decode steps) before serving, so that the
@@ -98,11 +89,11 @@ class Scheduler:
         (unseeded sampling draws as without it) and the counters as they were."""
         vocab = self.model_config.vocab_size
         ids = [(1 + i * 7919) % vocab for i in range(prompt_tokens)]
-        params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}, vocab)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         req = Req("hicache-warm-up", ids, params, "hicache-warm-up", None, False, 0)
         req.arrival_seq, req.cache_kv = -1, False
         counters = dict(self.counters)
-        self.waiting.append(req)
+        self._enqueue(req)
         while self.has_requests():
             self.step()
         self.counters.update(counters)
@@ -114,11 +105,11 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    if self.storage is not None:
-                        self.storage.revoke(rid)
+                    self.queue_version += 1
+                    self.cache.revoke(rid)
                     self._release(req)
                     self.counters["requests_aborted"] += 1
-                    self._finish(req, {"type": "abort"})
+                    self._emit(req, [], {"type": "abort"}, None)
                     return
 
     def _step_in_flight(self) -> bool:
@@ -140,21 +131,12 @@ class Scheduler:
         elif (plan := self.schedule()) is not None:
             self.process_result(plan, self.runner.run(plan))
         else:
-            self.idle_wait()
+            self.cache.idle_wait()
         outs, self._outputs = self._outputs, []
         return outs
 
-    def idle_wait(self) -> None:
-        """Nothing to run: wait a little for what may change that (L3 answers, tier copies)."""
-        if self.storage is not None and (self.storage.waiting() or self.storage.busy()):
-            self.storage.wait(0.01)
-        elif self.cache.busy():
-            time.sleep(0.001)
-
     def close(self) -> None:
-        """Stops the L3 I/O threads (after their in-flight writes)."""
-        if self.storage is not None:
-            self.storage.close()
+        self.cache.close()
 
     def flush_cache(self) -> bool:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
@@ -168,53 +150,39 @@ class Scheduler:
         """The next step's plan. `after`: a launched prefill step whose results are not applied
         yet and which holds every running request (overlap scheduling, runtime/overlap.py); then
         the plan holds the next chunks of its unfinished prompts and admissions from the queue,
-        nothing else. It retracts nothing and
-        leaves failed load-backs to the next `process_result`: the device may still be writing
-        the slots of `after`'s requests."""
+        nothing else. It retracts nothing and leaves failed load-backs to the next
+        `process_result`: the device may still be writing the slots of `after`'s requests."""
         if after is not None:
             self.cache.collect()  # backups landed during `after` release their pages to eviction
             plan = self._schedule_prefill(after)
         else:
-            self._poll_transfers()
+            self.poll_transfers()
             plan = self._schedule_prefill() or self._schedule_decode()
-        tickets = frozenset().union(*(r.wait_tickets for r in plan.reqs)) if plan is not None else None
-        if tickets:  # load-backs in flight (or failed, unreported): each layer's attention waits for its
-            # own layer, on the device; process_result settles them before any token goes out
-            plan.kv_wait = self.cache.layer_waiter(tickets)
-            self.cache.start_loads()  # now that the batch is known: its loads go together
+        if plan is not None:  # load-backs in flight: each layer's attention waits for its own layer, on
+            # the device; process_result settles them before any token goes out
+            plan.loads = self.cache.load_handle([r.lease for r in plan.reqs])
+        if plan is not None and plan.loads is not None:
             plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
-                               if r.wait_tickets and s and r.generator is not None}
+                               if r.lease.loading and s and r.generator is not None}
         return plan
 
-    def _poll_transfers(self) -> list[Req]:
-        """Fold in finished L1 <-> L2 transfers; recompute the requests whose load-back failed
+    def poll_transfers(self) -> list[Req]:
+        """Folds in finished tier transfers; recomputes the requests whose load-back failed
         (returned: a batch that already ran on such a load must drop what it sampled)."""
-        failed = self.cache.poll()
-        retracted = [r for r in self.running if r.wait_tickets & failed] if failed else []
-        for req in retracted:
+        failed = [lease.owner for lease in self.cache.poll([r.lease for r in self.running])]
+        for req in failed:
             self._retract(req, keep_kv=False)
             req.load_back_failed = True  # recompute it rather than load again
-        if failed:
-            self.cache.drop_stale()
-        return retracted
-
-    def _kv_ready(self, req: Req) -> bool:
-        """Forgets the request's load-backs that have landed. It runs at once all the same: the
-        forward pass waits per layer (plan.kv_wait) and process_result settles them before its tokens
-        go out."""
-        if req.wait_tickets and self.cache.loads_done(req.wait_tickets):
-            req.wait_tickets = frozenset()
-        return True
+        return failed
 
     def _schedule_prefill(self, after: BatchPlan | None = None) -> BatchPlan | None:
         """A prefill batch: running requests' next chunks, then admissions in policy order. With
         `after` (launched, not applied), the running requests are its own: their next chunks start
         where its chunks end, and memory comes from the free pool and the tree only."""
-        if self.storage is not None and self.waiting:
-            self.storage.grace()
+        if self.waiting:
+            self.cache.prefetch_grace()
         plan = BatchPlan("extend", [], [], [], [])
-        budget = self.rc.max_prefill_tokens
-        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
+        budget = self.policy.max_prefill_tokens
         if after is not None:
             for req, start, n, sample in zip(after.reqs, after.starts, after.extend_lens, after.sample):
                 if sample or not req.holds_kv:  # (not holding: retracted in flight, its load failed)
@@ -224,183 +192,117 @@ class Scheduler:
                     return None
                 budget -= added
         for req in sorted(self.running, key=lambda r: r.arrival_seq) if after is None else ():
-            if req in self.running and req.kv_len < req.seq_len - 1 and self._kv_ready(req):
+            if req in self.running and req.kv_len < req.seq_len - 1:
+                self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
-        cap = self.overlap.step_kv_cap() if self.overlap is not None else None
-        for req in self._ordered_waiting():
-            if budget <= 0 or len(self.running) >= self.rc.max_running_requests or id(req) in ahead:
+        self._admit_waiting(plan, budget, after)
+        return plan if plan.reqs else None
+
+    def _admit_waiting(self, plan: BatchPlan, budget: int, after: BatchPlan | None) -> None:
+        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
+        cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:-1], r.namespace).tokens)
+        for req in self.policy.order(self.waiting, cached):
+            if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
-            if cap is not None and plan.reqs and plan.kv_tokens() + req.seq_len > cap:
+            if self.policy.over_step_cap(plan.kv_tokens(), req):
                 break  # L1 left for the next step's load-backs (runtime/overlap.py)
-            if not self._storage_ready(req):
-                continue
+            got = self.cache.prefetch_ready(req.rid)
+            if got is None:
+                continue  # the prefetch policy keeps it waiting for its L3 pages
+            if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
+                req.storage_range = (got.start, got.end)
             n = self._admit(req, budget, after)
             if n == 0:
                 break
-            if self._kv_ready(req):
-                budget -= n
-                self._add_chunk(plan, req, n, allocated=True)
-        return plan if plan.reqs else None
-
-    def _storage_ready(self, req: Req) -> bool:
-        """False while the prefetch policy keeps `req` waiting for its L3 pages; once it lets the
-        request go, what landed is in the tree (host-only) and `req.storage_range` names it."""
-        if self.storage is None:
-            return True
-        got = self.storage.ready(req.rid)
-        if got is None:
-            return False
-        if got.end > got.start:
-            req.storage_range = (got.start, got.end)
-        return True
-
-    def _ordered_waiting(self) -> list[Req]:
-        if self.rc.schedule_policy == "fcfs" or self.cache.disabled:
-            return list(self.waiting)
-        matches = {r.rid: self.cache.match(r.all_ids[:-1], r.namespace) for r in self.waiting}
-        matched = {rid: m.device_slots.numel() + m.host_hit_tokens for rid, m in matches.items()}
-        return sorted(self.waiting, key=lambda r: (-matched[r.rid], r.arrival_seq))
-
-    def _chunk_len(self, req: Req, budget: int, start: int | None = None) -> int:
-        n = min(req.seq_len - (req.kv_len if start is None else start), budget)
-        if self.rc.chunked_prefill_size > 0:
-            n = min(n, self.rc.chunked_prefill_size)
-        return n
+            self.cache.refresh(req.lease)
+            budget -= n
+            self._add_chunk(plan, req, n, allocated=True)
 
     def _admit(self, req: Req, budget: int, after: BatchPlan | None = None) -> int:
-        """Match the prefix (L1, then L2), lock it, take a table row, load the L2 part back into
-        fresh L1 pages (all or nothing) and take the slots of the first chunk.
-        Returns the chunk length, or 0 (nothing held) when memory is short, or when a request of
-        the launched step `after` may give the tree more of this prompt once applied."""
+        """Admits `req` with its cached prefix (loaded back from L2 where needed) and the slots of
+        its first chunk. Returns the chunk length, or 0 (nothing held) when memory is short, or
+        when a request of the launched step `after` may give the tree more of this prompt."""
         match = self.cache.match(req.all_ids[:-1], req.namespace)
-        if after is not None and self._would_grow(req, match.device_slots.numel() + match.host_hit_tokens, after.reqs):
+        if after is not None and self.policy.wait_for_launched(req, match.tokens, after.reqs):
             return 0
-        self.cache.lock(match.last_node)
-        req.last_node, req.slots = match.last_node, match.device_slots
-        req.prefix_len = req.kv_len = req.slots.numel()
-        # room for the next token of each decoding request (all those of a launched step decode next)
-        decoding = len(self.running) if after is not None else sum(1 for r in self.running if r.kv_len >= r.seq_len - 1)
-        headroom = self.page_size * decoding
-        req.row = self.req_table.alloc()
-        host = self._load_back(req, match, budget, headroom) if req.row is not None else 0
-        if host is None:  # L2 holds more of the prompt than L1 has room for yet: wait, not recompute
-            self._release(req)
+        headroom = self.policy.decode_headroom(self.running, launched=after is not None)
+        first = self.policy.chunk_len(req, budget, start=match.tokens)
+        room = -(-first // self.page_size) * self.page_size + headroom
+        got = self.cache.admit(req.lease, match, room, load=not req.load_back_failed)
+        if got is None:
             return 0
-        prefix = req.prefix_len = req.kv_len = req.slots.numel()
-        n = self._chunk_len(req, budget)
-        if req.row is not None:
-            self.req_table.write(req.row, 0, req.slots)
-        if req.row is None or not self._ensure_slots(req, prefix + n, headroom):
-            self._release(req)
+        req.kv_len = got.prefix
+        n = self.policy.chunk_len(req, budget)
+        if not self.cache.grow(req.lease, got.prefix + n, headroom):
+            self.cache.drop(req.lease)
+            req.kv_len = 0
             return 0
         self.waiting.remove(req)
         self.running.append(req)
-        req.wait_tickets = self.cache.pending_loads(req.last_node)
+        self.queue_version += 1
         if req.cached_tokens is None:
-            start, end = req.storage_range  # the loaded-back part [prefix - host, prefix) may include it
-            storage = max(0, min(end, prefix) - max(start, prefix - host))
-            req.cached_tokens, req.cached_host, req.cached_storage = prefix, host - storage, storage
-            self.counters["cached_device"] += prefix - host
-            self.counters["cached_host"] += host - storage
-            self.counters["cached_storage"] += storage
+            self.counters.count_cached(req, got.prefix, got.loaded)
         return n
-
-    def _would_grow(self, req: Req, matched: int, launched: list[Req]) -> bool:
-        """True when a request of the launched step shares at least a page of `req`'s prompt past
-        the `matched` tokens the tree holds: once that step is applied and the request finished,
-        the tree may hold it, so `req` waits for it rather than computing it again."""
-        upto = matched + self.page_size
-        ids = req.all_ids[:upto]
-        return len(req.all_ids) > upto and any(
-            r.namespace == req.namespace and r.all_ids[:upto] == ids for r in launched)
-
-    def _load_back(self, req: Req, match, budget: int, headroom: int) -> int | None:
-        """Bring the L2 part of `match` back to L1 with room for the first chunk after it; extends
-        req.slots and moves its lock. Returns the tokens loaded (0: none, the request recomputes
-        them), or None when L1 has no room for them yet (the request waits)."""
-        if not match.host_hit_tokens or req.load_back_failed:
-            return 0
-        first_chunk = self._chunk_len(req, budget, start=req.kv_len + match.host_hit_tokens)
-        loaded = self.cache.load_back(match, -(-first_chunk // self.page_size) * self.page_size + headroom)
-        if loaded.refused:
-            return None if loaded.refused == "room" else 0
-        req.last_node, req.slots = loaded.last_node, torch.cat([req.slots, loaded.device_slots])
-        return loaded.device_slots.numel()
 
     def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False,
                    start: int | None = None) -> int:
         """The request's next chunk, from `kv_len` (or `start`: where a launched, unapplied
         chunk ends; then memory is taken without retracting anyone)."""
-        n = self._chunk_len(req, budget, start)
+        n = self.policy.chunk_len(req, budget, start)
         if n <= 0:
             return 0
         if start is None:
             if not (allocated or self._make_room(req, req.kv_len + n)):
                 return 0
             start = req.kv_len
-        elif not self._ensure_slots(req, start + n):
+        elif not self.cache.grow(req.lease, start + n):
             return 0
-        plan.reqs.append(req)
-        plan.starts.append(start)
-        plan.extend_lens.append(n)
-        plan.sample.append(start + n == req.seq_len)
+        plan.add(req, start, n, start + n == req.seq_len)
         return n
 
     def _schedule_decode(self) -> BatchPlan | None:
         plan = BatchPlan("decode", [], [], [], [])
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if (req in self.running and req.kv_len == req.seq_len - 1 and self._kv_ready(req)
-                    and self._make_room(req, req.kv_len + 1)):
-                plan.reqs.append(req)
-                plan.starts.append(req.kv_len)
-                plan.extend_lens.append(1)
-                plan.sample.append(True)
+            if req in self.running and req.kv_len == req.seq_len - 1:
+                self.cache.refresh(req.lease)
+                if self._make_room(req, req.kv_len + 1):
+                    plan.add(req, req.kv_len, 1, True)
         return plan if plan.reqs else None
+
+    def continue_decode(self, plan: BatchPlan) -> tuple[BatchPlan, list[int]] | None:
+        """For overlap scheduling: the decode step after the launched decode step `plan`, for the
+        same requests less those whose token from `plan` is their last by length, with their
+        positions in `plan`; None when nothing would continue or a slot cannot be had without
+        retracting (no retraction while a step is in flight)."""
+        self.poll_transfers()  # retracts only requests with load-backs in flight: none here
+        keep = [i for i, r in enumerate(plan.reqs)
+                if not self.stop_checker.length_reached(r, self.context_length, 1)]
+        if not keep:
+            return None
+        nxt = BatchPlan("decode", [], [], [], [])
+        for i in keep:
+            if not self.cache.grow(plan.reqs[i].lease, plan.starts[i] + 2):
+                return None
+            nxt.add(plan.reqs[i], plan.starts[i] + 1, 1, True)
+        return nxt, keep
 
     # ---- memory ----------------------------------------------------------------------------
 
-    def _ensure_slots(self, req: Req, upto: int, headroom: int = 0) -> bool:
-        """Grow req's slots to cover `upto` tokens (whole pages), evicting the tree if needed,
-        keeping `headroom` tokens free for running requests. False when it cannot."""
-        need = -(-upto // self.page_size) * self.page_size - req.slots.numel()
-        if need <= 0:
-            return True
-        short = need + headroom - self.alloc.num_free_tokens()
-        if short > 0:
-            self.cache.evict_device(short)
-            if need + headroom > self.alloc.num_free_tokens():
-                return False
-        new = self.alloc.alloc(need)
-        self.req_table.write(req.row, req.slots.numel(), new)
-        req.slots = torch.cat([req.slots, new])
-        return True
-
     def _make_room(self, req: Req, upto: int) -> bool:
-        """Like _ensure_slots for a running request, retracting the latest arrivals while short.
-        False when `req` itself had to be retracted."""
-        while not self._ensure_slots(req, upto):
-            victim = max(self.running, key=lambda r: r.arrival_seq)
+        """Grows a running request's slots to `upto` tokens, retracting the policy's victims while
+        short. False when `req` itself had to be retracted."""
+        while not self.cache.grow(req.lease, upto):
+            victim = self.policy.victim(self.running)
             self._retract(victim)
             if victim is req:
                 return False
         return True
 
     def _release(self, req: Req, keep_kv: bool = True) -> None:
-        """Give the cache what the request computed (page-aligned) and free everything else
-        (`keep_kv=False`: cache nothing new, e.g. when its prefix was never loaded correctly)."""
-        if req.last_node is None:
-            return
-        kv, ps = (req.kv_len if keep_kv else req.prefix_len), self.page_size
-        present = self.cache.insert(req.all_ids[:kv], req.slots[:kv], req.namespace, len(req.input_ids)) if kv else 0
-        taken_end = present if self.cache.disabled else kv // ps * ps
-        self.alloc.free(req.slots[req.prefix_len:max(present, req.prefix_len)])
-        self.alloc.free(req.slots[max(taken_end, req.prefix_len):])
-        self.cache.unlock(req.last_node)
-        if req.row is not None:
-            self.req_table.free(req.row)
-        req.row, req.last_node, req.slots = None, None, req.slots[:0]
-        req.kv_len = req.prefix_len = 0
-        req.wait_tickets = frozenset()
+        """Gives the cache what the request computed (`keep_kv=False`: nothing new, e.g. when its
+        prefix was never loaded correctly) and frees the rest."""
+        self.cache.release(req.lease, req.all_ids[:req.kv_len], len(req.input_ids), keep_kv)
+        req.kv_len = 0
 
     def _retract(self, req: Req, keep_kv: bool = True) -> None:
         """Out of KV (or its load-back failed: `keep_kv=False`): put a running request back in the
@@ -410,13 +312,19 @@ class Scheduler:
         self.running.remove(req)
         self._release(req, keep_kv)
         self.counters["retractions"] += 1
+        self.early_releases += 1
         self.waiting.insert(0, req)
         self.waiting.sort(key=lambda r: r.arrival_seq)
+        self.queue_version += 1
+
+    def _enqueue(self, req: Req) -> None:
+        self.waiting.append(req)
+        self.queue_version += 1
 
     # ---- results ---------------------------------------------------------------------------
 
     def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
-        dropped = self._settle_loads(plan) if plan.kv_wait is not None else ()
+        dropped = self._settle_loads(plan) if plan.loads is not None else ()
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
@@ -432,6 +340,7 @@ class Scheduler:
             reason = self.stop_checker.check(req, self.context_length)
             if reason is not None:
                 self.running.remove(req)
+                self.queue_version += 1
                 self._release(req, keep_kv=req.cache_kv)
                 self.counters["requests_finished"] += 1
             self._emit(req, [token], reason, logprobs)
@@ -442,51 +351,29 @@ class Scheduler:
         failed is retracted and recomputed; returns their ids, whose results are dropped (and
         whose sampler is rewound). So are those retracted while this plan was in flight (a step
         launched ahead of the one before it: that step's results reported their failed loads)."""
-        if any(r.wait_tickets and s for r, s in zip(plan.reqs, plan.sample)):
-            self.cache.settle_loads(frozenset().union(*(r.wait_tickets for r in plan.reqs)))
-        dropped = {id(r) for r in self._poll_transfers()} | {id(r) for r in plan.reqs if not r.holds_kv}
+        if any(r.lease.loading and s for r, s in zip(plan.reqs, plan.sample)):
+            plan.loads.settle()
+        dropped = {id(r) for r in self.poll_transfers()} | {id(r) for r in plan.reqs if not r.holds_kv}
         for req in plan.reqs:
             if id(req) in dropped and id(req) in plan.rng_states:
                 req.generator.set_state(plan.rng_states[id(req)])
             elif id(req) not in dropped:
-                self._kv_ready(req)
+                self.cache.refresh(req.lease)
         return dropped
 
-    def _finish(self, req: Req, reason: dict) -> None:
-        self._emit(req, [], reason, None)
-
     def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
-        cached, host, storage = req.cached_tokens or 0, req.cached_host, req.cached_storage
-        details = {"device": cached - host - storage, "host": host, "storage": storage}
-        meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
-                "cached_tokens": cached, "cached_tokens_details": details}
-        self._outputs.append(TokenOutput(req.rid, new_ids, reason, meta, logprobs))
+        self._outputs.append(TokenOutput(req.rid, new_ids, reason, usage(req), logprobs))
 
     # ---- introspection ---------------------------------------------------------------------
 
     def pages_held(self) -> int:
         """Device pages owned by requests (not by the tree, not free)."""
-        return sum((r.slots.numel() - r.prefix_len) // self.page_size for r in self.running)
+        return sum((r.lease.slots.numel() - r.lease.prefix_len) // self.page_size for r in self.running)
 
     def check_integrity(self) -> None:
-        held = [r.slots[r.prefix_len:] for r in self.running]
-        locks = collections.Counter(r.last_node for r in self.running)
-        self.cache.check_integrity(torch.cat(held) if held else None, locks)
-        assert self.req_table.num_free() + len(self.running) == self.rc.max_running_requests, "table rows leaked"
+        self.cache.check_integrity([r.lease for r in self.running], self.rc.max_running_requests)
 
     def stats(self) -> dict:
-        c = self.counters
-        device = {"used_tokens": self.alloc.capacity_tokens() - self.alloc.num_free_tokens(),
-                  "capacity_tokens": self.alloc.capacity_tokens(), "cached_tokens": self.tree.total_tokens(),
-                  "hit_tokens": c["cached_device"], "evicted_tokens": self.cache.counters["device_evicted_tokens"],
-                  "bytes_per_token": self.pool.bytes_per_token()}
-        host = dict(self.cache.host_stats(), hit_tokens=c["cached_host"]) if self.cache.enabled else None
-        storage = dict(self.storage.stats(), hit_tokens=c["cached_storage"]) if self.storage is not None else None
-        empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
-        return {"running": len(self.running), "queued": len(self.waiting), "pages_held": self.pages_held(),
-                "page_size": self.page_size, "retractions": c["retractions"],
-                "requests_finished": c["requests_finished"], "requests_aborted": c["requests_aborted"],
-                "tiers": {"device": device, "host": host or dict(empty), "storage": storage or dict(empty)},
-                "tokens": {"prompt": c["prompt_tokens"], "generation": c["generation_tokens"],
-                           "cached": {"device": c["cached_device"], "host": c["cached_host"],
-                                      "storage": c["cached_storage"]}}}
+        return self.counters.report(self.cache.tier_stats(self.counters.hits(), self.bytes_per_token),
+                                    running=len(self.running), queued=len(self.waiting),
+                                    pages_held=self.pages_held(), page_size=self.page_size)

@@ -80,3 +80,31 @@ def test_checker_catches_a_bad_import():
     assert not allowed("hicache.tiers.remote", "hicache.kernels.attention")
     assert allowed("hicache.runtime", "hicache.tree")
     assert allowed("hicache.tiers.gpu", "hicache.kernels.attention")
+
+
+SCHEDULING = ("runtime/scheduler.py", "runtime/overlap.py", "runtime/policy.py")
+CACHE_SURFACE = {"hicache.manager"}  # what the scheduling modules may import from the cache room
+CACHE_INTERNALS = (".controller", ".tree", ".allocator", ".req_table", ".storage", ".transfer")
+
+
+def cache_imports(path: Path) -> set[str]:
+    return {n for n in imported(path) if room_of(n) in ("hicache", "hicache.tiers.base")
+            or n.startswith("hicache.tiers")}
+
+
+def test_scheduler_reaches_the_cache_through_the_manager_only():
+    """The scheduler, its overlap loop and its policy import nothing of the cache room but the
+    manager, and touch none of the manager's parts (controller, tree, allocator, table, L3)."""
+    for rel in SCHEDULING:
+        path = ROOT / rel
+        assert cache_imports(path) <= CACHE_SURFACE, f"{rel} imports {cache_imports(path) - CACHE_SURFACE}"
+        reached = [f"{rel}:{node.lineno} .{node.attr}" for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Attribute) and "." + node.attr in CACHE_INTERNALS]
+        assert not reached, "the scheduler reaches past the cache manager:\n" + "\n".join(reached)
+
+
+def test_surface_checker_catches_a_reach():
+    source = "from hicache.tree import RadixTree\nx = sched.cache.controller.transfer\n"
+    tree = ast.parse(source)
+    assert any(isinstance(n, ast.Attribute) and "." + n.attr in CACHE_INTERNALS for n in ast.walk(tree))
+    assert room_of("hicache.tree") == "hicache" and "hicache.tree" not in CACHE_SURFACE

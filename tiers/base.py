@@ -10,10 +10,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 
-class PageKey(NamedTuple):
-    """A page's identity in storage: hex sha256 chained over the prefix (DESIGN §3)."""
-
-    digest: str
+IO_BACKENDS = ("direct", "kernel")  # how host <-> device page copies run on CUDA (hicache_io_backend)
 
 
 class PageAllocator(Protocol):
@@ -103,6 +100,20 @@ class DevicePool(Protocol):
     def bytes_per_token(self) -> int: ...
 
 
+class RequestTable(Protocol):
+    """L1's request-to-token table: row r lists the device slots of its request's tokens in order.
+    Rows are handed out by `alloc()` (None when none is free) and returned by `free()`; only the
+    scheduler thread calls them."""
+
+    def alloc(self) -> int | None: ...
+
+    def free(self, row: int) -> None: ...
+
+    def num_free(self) -> int: ...
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None: ...
+
+
 class HostPool(Protocol):
     """L2: a host KV pool (pinned when CUDA is present) with its own thread-safe page allocator.
 
@@ -162,9 +173,9 @@ class TransferEngine(Protocol):
 
 
 class StorageBackend(Protocol):
-    """L3: a key-value store of KV pages (LMDB, Redis, in-memory). Keys are `PageKey.digest` hex
-    strings; a value holds one page (K and V of every layer) framed with a header and a checksum
-    (`tiers/remote/framing.py`).
+    """L3: a key-value store of KV pages (LMDB, Redis, in-memory). Keys are hex sha256 page
+    keys, chained over the prefix; a value holds one page (K and V of every layer) framed with a
+    header and a checksum (`tiers/remote/framing.py`).
 
     `batch_exists(keys)` answers how many leading keys exist (keys are chained, so a prefix is what
     matters). `batch_get(keys, pages)` fills each page tensor (a host view [2, L, page_size, H, D],

@@ -4,7 +4,7 @@ Our own implementation: RMSNorm, RoPE (default, linear, llama3, GGUF freq factor
 through a pluggable backend, SwiGLU MLP, optional tied embeddings. Weights are fused on load
 (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`); `load_weights` takes HF-named tensors.
 
-Contract with the attention backend (runtime/attention.py): each layer calls
+Contract with the attention backend (runtime/attention/): each layer calls
 `batch.attn.forward(q, k, v, layer_id, batch)` with q [T, num_heads, head_dim] and k, v
 [T, num_kv_heads, head_dim] in the model dtype, on the model device, RoPE already applied to q and
 k; q and k are contiguous, v may be a strided view (last dim contiguous). The backend stores k/v in
@@ -122,7 +122,10 @@ class RotaryEmbedding(nn.Module):
 
     def ensure(self, num_positions: int, device: torch.device | str | None = None) -> None:
         self.max_positions = max(self.max_positions, num_positions)
-        dev = torch.device(device) if device is not None else (self.cos_sin.device if self.cos_sin is not None else torch.device("cpu"))
+        if device is not None:
+            dev = torch.device(device)
+        else:
+            dev = self.cos_sin.device if self.cos_sin is not None else torch.device("cpu")
         if self.cos_sin is None or self.cos_sin.shape[0] < self.max_positions or self.cos_sin.device != dev:
             t = torch.arange(self.max_positions, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq)

@@ -24,7 +24,8 @@ from hicache import Engine
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
-from hicache.runtime import overlap as overlap_loop
+from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.build import build_scheduler
 from hicache.runtime.scheduler import Scheduler
 from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
@@ -37,7 +38,7 @@ def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, 
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
                        enable_overlap_schedule=overlap)
-    return Scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **cache))
+    return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **cache))
 
 
 def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
@@ -61,6 +62,11 @@ def collect(out: dict, outputs) -> None:
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+def request(rid: str, ids: list[int], params: dict, **kw) -> GenerateRequest:
+    """A scheduler message whose sampling parameters are written as a dict (parsed as a front end does)."""
+    return GenerateRequest(rid, ids, SamplingParams.from_dict(params, vocab_size=2**31), **kw)
+
+
 @pytest.fixture(scope="module")
 def reference_outputs(tiny_config_path):
     """Greedy outputs of the same dummy model with no cache at all, per prompt (memoised)."""
@@ -70,7 +76,7 @@ def reference_outputs(tiny_config_path):
     def outputs(prompts: list[tuple[list[int], int]]) -> list[list[int]]:
         todo = [(p, n) for p, n in prompts if (tuple(p), n) not in memo]
         for i, (p, n) in enumerate(todo):
-            sched.add_request(GenerateRequest(f"ref{i}", p, dict(GREEDY, max_new_tokens=n)))
+            sched.add_request(request(f"ref{i}", p, dict(GREEDY, max_new_tokens=n)))
         got = drain(sched)
         for i, (p, n) in enumerate(todo):
             memo[(tuple(p), n)] = got[f"ref{i}"][0]
@@ -88,16 +94,16 @@ def reference_outputs(tiny_config_path):
     ("write_back", "layer_first", 1, False, True),
 ])
 def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size,
-                                                   late, overlap, monkeypatch):
-    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", overlap)  # HICACHE_PREFILL_AHEAD=1 with overlap
+                                                   late, overlap):
     rng = random.Random(f"{policy}{layout}{page_size}{late}{overlap}{os.environ.get('HICACHE_STRESS_SEED', '')}")
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size, overlap=overlap,
                            hicache_write_policy=policy, hicache_mem_layout=layout)
-    real = sched.cache.transfer
+    real = sched.cache.controller.transfer
     if late:
-        sched.cache.transfer = LateTransfer(real)
+        sched.cache.controller.transfer = LateTransfer(real)
     if policy.startswith("write_through"):  # loads land only when waited for (or late, on their own)
-        sched.cache.transfer = LazyTransfer(sched.cache.transfer, real.device_pool, real.host_pool)
+        ctl = sched.cache.controller
+        ctl.transfer = LazyTransfer(ctl.transfer, real.device_pool, real.host_pool)
     faults = Faults(sched)
     stems = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
     prompts, aborted, results, flushes = {}, set(), {}, 0
@@ -108,8 +114,8 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
             rid = f"q{step}-{k}"
             p = rng.choice(stems)[: rng.randrange(1, 61)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
             prompts[rid] = (p, rng.randrange(30, 40) if burst else rng.randrange(1, 24))
-            sched.add_request(GenerateRequest(rid, p, dict(GREEDY, max_new_tokens=prompts[rid][1]),
-                                              cache_salt=rng.choice(["", "", "", "tenant"])))
+            sched.add_request(request(rid, p, dict(GREEDY, max_new_tokens=prompts[rid][1]),
+                                  cache_salt=rng.choice(["", "", "", "tenant"])))
         if 0.2 <= r < 0.23 and (sched.running or sched.waiting):
             victim = rng.choice(sched.running + sched.waiting).rid
             aborted.add(victim)
@@ -135,8 +141,9 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
         details = results[rid][1]["cached_tokens_details"]
         assert details["device"] + details["host"] == results[rid][1]["cached_tokens"]
     flush(sched)
-    assert sched.tree.total_tokens() == sched.tree.host_tokens() == 0
-    assert sched.cache.host_pool.allocator.num_free_tokens() == sched.cache.host_pool.allocator.capacity_tokens()
+    assert sched.cache.tree.total_tokens() == sched.cache.tree.host_tokens() == 0
+    host = sched.cache.controller.host_pool.allocator
+    assert host.num_free_tokens() == host.capacity_tokens()
     if overlap:  # (the default seed's runs do both; another HICACHE_STRESS_SEED may not)
         assert sched.overlap.continued > 0 and sched.overlap.ahead > 0
 
@@ -164,8 +171,8 @@ def test_idle_scheduler_steps_until_its_copies_land(tiny_config_path):
     has work until that copy is folded in (an idle server would otherwise report it in flight,
     and hold its pins, until the next request)."""
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=4.0)
-    sched.cache.transfer = LateTransfer(sched.cache.transfer)  # copies land a poll later, as on a GPU
-    sched.add_request(GenerateRequest("a", list(range(3, 70)), dict(GREEDY, max_new_tokens=4)))
+    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)  # copies land a poll later, as on a GPU
+    sched.add_request(request("a", list(range(3, 70)), dict(GREEDY, max_new_tokens=4)))
     steps = 0
     while sched.has_work():
         sched.step()
@@ -179,10 +186,10 @@ def test_idle_scheduler_steps_until_its_copies_land(tiny_config_path):
 def _two_rounds(sched, convs, new=4):
     """Round 1 computes each prompt; round 2 asks each again, extended, after the others pushed it out."""
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=new)))
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=new)))
         drain(sched)
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"b{i}", p + [7, 8, 9], dict(GREEDY, max_new_tokens=new)))
+        sched.add_request(request(f"b{i}", p + [7, 8, 9], dict(GREEDY, max_new_tokens=new)))
     return drain(sched)
 
 
@@ -209,9 +216,9 @@ def test_forward_waits_for_each_layer_of_a_load_in_flight(tiny_config_path, refe
     """Requests run while their load-back is in flight (no scheduler wait); each layer's attention
     waits for its own layer: with copies that land only when waited for, outputs stay exact."""
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, page_size=page_size, hicache_mem_layout=layout)
-    real = sched.cache.transfer
+    real = sched.cache.controller.transfer
     lazy = LazyTransfer(LateTransfer(real), real.device_pool, real.host_pool)  # backups land late too
-    sched.cache.transfer = lazy
+    sched.cache.controller.transfer = lazy
     rng = random.Random(6)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
     got = _two_rounds(sched, convs)
@@ -238,16 +245,16 @@ def test_host_pool_exhaustion_recomputes(tiny_config_path, reference_outputs):
 def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference_outputs, late):
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
     if late:
-        sched.cache.transfer = LateTransfer(sched.cache.transfer)
+        sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
     faults = Faults(sched)
     rng = random.Random(3)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
         drain(sched)
     faults.on = True  # every load-back (and backup) now fails
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"b{i}", p + [7], dict(GREEDY, max_new_tokens=4)))
+        sched.add_request(request(f"b{i}", p + [7], dict(GREEDY, max_new_tokens=4)))
     got = drain(sched)
     faults.on = False
     want = reference_outputs([(p + [7], 4) for p in convs])
@@ -261,17 +268,17 @@ def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference
 
 def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs):
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
-    late = LateTransfer(sched.cache.transfer)
-    sched.cache.transfer = late
+    late = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.controller.transfer = late
     rng = random.Random(4)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
         drain(sched)
-    sched.add_request(GenerateRequest("b0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
+    sched.add_request(request("b0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
     late.hold = True  # the copy will not land until released
     plan = sched.schedule()  # admitted and planned at once, its load-back in flight: the pass would wait per layer
-    assert plan is not None and plan.kv_wait is not None and plan.reqs[0].wait_tickets
+    assert plan is not None and plan.loads is not None and plan.reqs[0].lease.loading
     sched.check_integrity()
     sched.abort("b0")  # before the plan runs
     sched.check_integrity()
@@ -288,7 +295,7 @@ def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs)
     sched.check_integrity()
     assert sched.flush_cache()
     sched.check_integrity()
-    sched.add_request(GenerateRequest("c0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
+    sched.add_request(request("c0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
     assert drain(sched)["c0"][0] == reference_outputs([(convs[0] + [5], 4)])[0]
 
 
@@ -300,20 +307,20 @@ def test_batch_run_on_a_load_that_then_fails_is_dropped_and_recomputed(tiny_conf
     rng = random.Random(5)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
     ref = tiny_scheduler(tiny_config_path, total=1024, disable_radix_cache=True)
-    ref.add_request(GenerateRequest("r", convs[0] + [7], sampled))
+    ref.add_request(request("r", convs[0] + [7], sampled))
     want = drain(ref)["r"][0]
 
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
-    late = LateTransfer(sched.cache.transfer)
-    sched.cache.transfer = late
+    late = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.controller.transfer = late
     faults = Faults(sched)
     for i, p in enumerate(convs):
-        sched.add_request(GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
         drain(sched)
-    sched.add_request(GenerateRequest("b0", convs[0] + [7], sampled))
+    sched.add_request(request("b0", convs[0] + [7], sampled))
     faults.arm()  # the load-back's copy fails; the engine reports it one poll late
     plan = sched.schedule()
-    assert plan is not None and plan.reqs[0].rid == "b0" and plan.kv_wait is not None and plan.reqs[0].wait_tickets
+    assert plan is not None and plan.reqs[0].rid == "b0" and plan.loads is not None and plan.reqs[0].lease.loading
     assert plan.sample == [True]
     sched.process_result(plan, sched.runner.run(plan))  # ran on the failed load, then learnt of the failure
     sched.check_integrity()

@@ -20,9 +20,18 @@ from hicache.config import HiCacheConfig
 from hicache.pagekey import page_keys
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.build import build_scheduler
 from hicache.runtime.scheduler import Scheduler
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
+
+
+def request(rid: str, ids: list[int], params: dict, **kw) -> GenerateRequest:
+    """A scheduler message whose sampling parameters are written as a dict (parsed as a front end does)."""
+    return GenerateRequest(rid, ids, SamplingParams.from_dict(params, vocab_size=2**31), **kw)
+
+
 PAGE = 4
 THRESHOLD = 16
 
@@ -33,7 +42,7 @@ def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256,
     cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy=policy,
                        hicache_storage_backend_extra_config={"prefetch_threshold": THRESHOLD, **extra})
-    return Scheduler(rc, cc)
+    return build_scheduler(rc, cc)
 
 
 def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
@@ -52,10 +61,10 @@ def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
 def settle(sched: Scheduler) -> None:
     """Waits until every L3 write has landed and been folded in."""
     for _ in range(500):
-        if not sched.storage.busy():
+        if not sched.cache.storage.busy():
             return
-        sched.storage.wait(0.02)
-        sched.storage.poll()
+        sched.cache.storage.wait(0.02)
+        sched.cache.storage.poll()
     raise AssertionError("L3 operations still in flight")
 
 
@@ -68,7 +77,7 @@ def run_each(sched: Scheduler, ps: list[list[int]], tag: str) -> list[list]:
     """One request at a time; returns [output ids, meta] per prompt."""
     out = []
     for i, p in enumerate(ps):
-        sched.add_request(GenerateRequest(f"{tag}{i}", p, dict(GREEDY)))
+        sched.add_request(request(f"{tag}{i}", p, dict(GREEDY)))
         out.append(drain(sched)[f"{tag}{i}"])
     return out
 
@@ -82,7 +91,7 @@ def reference(tiny_config_path):
     def outputs(ps: list[list[int]]) -> list[list[int]]:
         todo = list({tuple(p) for p in ps if tuple(p) not in memo})
         for i, p in enumerate(todo):
-            sched.add_request(GenerateRequest(f"ref{i}", list(p), dict(GREEDY)))
+            sched.add_request(request(f"ref{i}", list(p), dict(GREEDY)))
         got = drain(sched)
         for i, p in enumerate(todo):
             memo[p] = got[f"ref{i}"][0]
@@ -110,7 +119,7 @@ def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, refer
     cold = run_each(first, ps, "a")
     settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 3 * 88
-    seed = first.storage.seed("")
+    seed = first.cache.storage.seed("")
     first.close()
     flip_a_byte(tmp_path, seed.hex(), page_keys(seed, ps[1], PAGE)[4])  # prompt 1's fifth page
     second = l3_scheduler(tiny_config_path, path=str(tmp_path))
@@ -140,8 +149,8 @@ def test_backups_after_splits_land_under_the_keys_a_restart_queries(tiny_config_
     first = l3_scheduler(tiny_config_path, path=str(tmp_path))
     run_each(first, ps, "a")
     settle(first)
-    seed = first.storage.seed("")
-    backend = first.storage.engine.backend
+    seed = first.cache.storage.seed("")
+    backend = first.cache.storage.engine.backend
     for p in ps:
         keys = page_keys(seed, p, PAGE)
         assert backend.batch_exists(keys) == len(keys) == 22
@@ -204,7 +213,7 @@ class Gate:
 
     def __init__(self, sched: Scheduler):
         self.open = threading.Event()
-        backend = sched.storage.engine.backend
+        backend = sched.cache.storage.engine.backend
         real = backend.batch_get
 
         def slow(keys, pages):
@@ -246,7 +255,7 @@ def test_prefetch_policies_against_a_slow_store(tiny_config_path, reference, pol
     settle(sched)
     assert sched.flush_cache()
     sched.check_integrity()
-    host = sched.cache.host_pool.allocator
+    host = sched.cache.controller.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()
 
 
@@ -255,19 +264,19 @@ def test_abort_during_a_fetch_frees_its_pages(tiny_config_path, reference):
     warm_store(tiny_config_path, "abort", ps)
     sched = l3_scheduler(tiny_config_path, backend="memory", store="abort")
     gate = Gate(sched)
-    sched.add_request(GenerateRequest("x", ps[0], dict(GREEDY)))
+    sched.add_request(request("x", ps[0], dict(GREEDY)))
     for _ in range(200):  # until the fetch holds its host pages
         sched.step()
         sched.check_integrity()
-        if sched.storage.held_host_slots().numel():
+        if sched.cache.storage.held_host_slots().numel():
             break
-    assert sched.storage.held_host_slots().numel() == 88
+    assert sched.cache.storage.held_host_slots().numel() == 88
     sched.abort("x")
     sched.check_integrity()
     gate.open.set()
     settle(sched)
     sched.check_integrity()
-    assert sched.storage.held_host_slots().numel() == 0
+    assert sched.cache.storage.held_host_slots().numel() == 0
     assert sched.stats()["tiers"]["storage"]["prefetch_revoked"] == 1
     (out, _), = run_each(sched, ps, "y")
     assert out == reference(ps)[0]
@@ -277,7 +286,7 @@ def test_backend_failures_are_counted_misses(tiny_config_path, reference):
     ps = prompts(5)
     warm_store(tiny_config_path, "faulty", ps)
     sched = l3_scheduler(tiny_config_path, backend="memory", store="faulty")
-    backend = sched.storage.engine.backend
+    backend = sched.cache.storage.engine.backend
     real_get = backend.batch_get
     calls = [0]
 
@@ -288,7 +297,7 @@ def test_backend_failures_are_counted_misses(tiny_config_path, reference):
         return real_get(keys, pages)
 
     backend.batch_get = flaky
-    key = backend._prefix + page_keys(sched.storage.seed(""), ps[1], PAGE)[3]  # prompt 1's fourth page
+    key = backend._prefix + page_keys(sched.cache.storage.seed(""), ps[1], PAGE)[3]  # prompt 1's fourth page
     corrupt = bytearray(backend._data[key])
     corrupt[-3] ^= 0xFF
     backend._data[key] = bytes(corrupt)
@@ -316,7 +325,7 @@ def test_random_stress_with_prefetches_keeps_integrity_and_outputs(tiny_config_p
     rng = random.Random(policy)
     sched = l3_scheduler(tiny_config_path, backend="memory", policy=policy, total=192, ratio=1.0,
                          prefetch_timeout_base=0.01, prefetch_timeout_per_ki_token=0.0)
-    backend = sched.storage.engine.backend
+    backend = sched.cache.storage.engine.backend
     real_get = backend.batch_get
 
     def slow_flaky(keys, pages):
@@ -332,7 +341,7 @@ def test_random_stress_with_prefetches_keeps_integrity_and_outputs(tiny_config_p
         if rng.random() < 0.25:
             rid = f"s{step}"
             asked[rid] = rng.choice(stems)[: rng.randrange(20, 71)] + [rng.randrange(3, 500) for _ in range(3)]
-            sched.add_request(GenerateRequest(rid, asked[rid], dict(GREEDY)))
+            sched.add_request(request(rid, asked[rid], dict(GREEDY)))
         if rng.random() < 0.03 and sched.waiting:
             victim = rng.choice(sched.waiting).rid
             aborted.add(victim)
@@ -351,5 +360,5 @@ def test_random_stress_with_prefetches_keeps_integrity_and_outputs(tiny_config_p
     settle(sched)
     assert sched.flush_cache()
     sched.check_integrity()
-    host = sched.cache.host_pool.allocator
+    host = sched.cache.controller.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()

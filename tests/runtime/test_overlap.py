@@ -7,7 +7,7 @@ position a finished request computed one step too many is freed).
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import random
 
 import pytest
@@ -15,23 +15,29 @@ import torch
 
 from hicache import Engine
 from hicache.config import HiCacheConfig
-from hicache.runtime import overlap as overlap_loop
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.build import build_scheduler
 from hicache.runtime.scheduler import Scheduler
 from transfer_fakes import Faults, FencedTransfer, LateTransfer, LazyTransfer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+def request(rid: str, ids: list[int], params: dict, **kw) -> GenerateRequest:
+    """A scheduler message whose sampling parameters are written as a dict (parsed as a front end does)."""
+    return GenerateRequest(rid, ids, SamplingParams.from_dict(params, vocab_size=2**31), **kw)
+
+
 def scheduler(config_path, overlap: bool, total=1024, running=8, page_size=4, device="cpu", policy="fcfs",
-              **cache) -> Scheduler:
+              ahead: bool = True, **cache) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total, schedule_policy=policy,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
                        device=device, dtype="float32", enable_overlap_schedule=overlap and device == "cpu",
-                       disable_overlap_schedule=not overlap)
+                       disable_overlap_schedule=not overlap, disable_prefill_ahead=not ahead)
     cache.setdefault("hicache_storage_backend", "none")
-    sched = Scheduler(rc, HiCacheConfig(page_size=page_size, **cache))
+    sched = build_scheduler(rc, HiCacheConfig(page_size=page_size, **cache))
     assert (sched.overlap is not None) == overlap
     return sched
 
@@ -80,7 +86,7 @@ def staggered(seed: int, n: int = 14, params=lambda rng, i: dict(GREEDY, max_new
         arrivals: dict[int, list] = {}
         for i in range(n):
             prompt = rng.choice(stems)[: rng.randrange(0, 41)] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))]
-            arrivals.setdefault(rng.randrange(0, 40), []).append(GenerateRequest(f"r{i}", prompt, params(rng, i)))
+            arrivals.setdefault(rng.randrange(0, 40), []).append(request(f"r{i}", prompt, params(rng, i)))
         return arrivals
     return script
 
@@ -99,7 +105,7 @@ def test_greedy_staggered_arrivals_max_new_tokens_and_stop_ids(tiny_config_path,
         for msgs in arrivals.values():
             for m in msgs:
                 if m.rid in stops:
-                    m.sampling_params["stop_token_ids"] = stops[m.rid]
+                    m.sampling_params = dataclasses.replace(m.sampling_params, stop_token_ids=tuple(stops[m.rid]))
         return arrivals
 
     plain, overlapped, sched = both(tiny_config_path, script, device=device)
@@ -170,8 +176,8 @@ def test_second_round_loads_back_from_l2(tiny_config_path):
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
 
     def script():
-        arrivals = {5 * i: [GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=6))] for i, p in enumerate(convs)}
-        arrivals[60] = [GenerateRequest(f"b{i}", p + [7, 8, 9], dict(GREEDY, max_new_tokens=6))
+        arrivals = {5 * i: [request(f"a{i}", p, dict(GREEDY, max_new_tokens=6))] for i, p in enumerate(convs)}
+        arrivals[60] = [request(f"b{i}", p + [7, 8, 9], dict(GREEDY, max_new_tokens=6))
                         for i, p in enumerate(convs)]
         return arrivals
 
@@ -201,11 +207,6 @@ def test_engine_n_seeded_and_flags(tiny_config_path):
     assert not config_from_args(RuntimeConfig, parser.parse_args([])).disable_overlap_schedule
 
 
-@pytest.fixture
-def prefill_ahead(monkeypatch):
-    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", True)  # HICACHE_PREFILL_AHEAD=1
-
-
 def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):
     """Rounds of `n_convs` conversations arriving at once (round r at step 60 r), each turn `turn`
     new tokens and one output token (three for c5), the prefill-bound shape of
@@ -218,14 +219,14 @@ def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):
         arrivals, history = {}, [list(c) for c in convs]
         for r in range(rounds):
             new = [11 + r + j for j in range(turn)]
-            arrivals[60 * r] = [GenerateRequest(f"c{i}-{r}", h + new, dict(GREEDY, max_new_tokens=3 if i == 5 else 1))
+            arrivals[60 * r] = [request(f"c{i}-{r}", h + new, dict(GREEDY, max_new_tokens=3 if i == 5 else 1))
                                 for i, h in enumerate(history)]
             history = [h + new + [7] for h in history]
         return arrivals
     return script
 
 
-def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
+def test_prefill_steps_launched_ahead(tiny_config_path):
     """Each prefill step is planned and launched before the previous one's results are applied,
     with the next chunks of its prompts and admissions whose prefixes load back from L2. Loads land
     only when the forward pass waits for their layers (a pass that read a page before its layer
@@ -234,7 +235,8 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
     outs, launched, held = [], [], []
     for overlap in (False, True):
         sched = scheduler(tiny_config_path, overlap, total=640, hicache_ratio=8.0)
-        sched.cache.transfer = LazyTransfer(sched.cache.transfer, sched.pool, sched.cache.host_pool)
+        ctl = sched.cache.controller
+        ctl.transfer = LazyTransfer(ctl.transfer, sched.runner.pool, ctl.host_pool)
         if overlap:
             ahead, forward = sched.overlap._ahead, sched.runner.forward
 
@@ -252,8 +254,8 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
     plain, overlapped = outs
     assert len(launched) == sched.overlap.ahead > 0
     # a step leaves the next one's load-backs room (half of L1; without the cap some held 496 tokens)
-    assert held and max(held) <= sched.overlap.step_kv_cap() == 320
-    assert any(a.kv_wait is not None for a in launched), "no step launched ahead loaded back from L2"
+    assert held and max(held) <= sched.policy.step_kv_cap == 320
+    assert any(a.loads is not None for a in launched), "no step launched ahead loaded back from L2"
     assert any(not all(a.sample) for a in launched), "no chunked prompt continued ahead"
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
     for rid in plain:  # what the step before was about to give the tree is not computed again
@@ -263,7 +265,7 @@ def test_prefill_steps_launched_ahead(tiny_config_path, prefill_ahead):
 def fenced(sched: Scheduler) -> FencedTransfer:
     """Wraps the scheduler's transfer engine in a FencedTransfer and gives the runner numbered
     fences (1, 2, ...), as on CUDA, where the runner's fences are events."""
-    ft = sched.cache.transfer = FencedTransfer(sched.cache.transfer)
+    ft = sched.cache.controller.transfer = FencedTransfer(sched.cache.controller.transfer)
 
     def fence():
         ft.latest = (ft.latest or 0) + 1
@@ -272,13 +274,14 @@ def fenced(sched: Scheduler) -> FencedTransfer:
     return ft
 
 
-def test_copies_ordered_after_the_step_they_touch(tiny_config_path, prefill_ahead):
+def test_copies_ordered_after_the_step_they_touch(tiny_config_path):
     """The loads of a step planned ahead follow only the compute queued before the step in flight
     (their slots were free before it), so they run beside it; the backups of a step's results
     follow that step, not the one queued after it (whose fence is the latest); a step planned
     after the one before it was applied orders its loads after everything queued (no fence)."""
     sched = scheduler(tiny_config_path, True, total=640, hicache_ratio=8.0)
-    sched.cache.transfer = LazyTransfer(sched.cache.transfer, sched.pool, sched.cache.host_pool)
+    ctl = sched.cache.controller
+    ctl.transfer = LazyTransfer(ctl.transfer, sched.runner.pool, ctl.host_pool)
     ft, ahead_loads = fenced(sched), []
     real_ahead = sched.overlap._ahead
 
@@ -296,22 +299,27 @@ def test_copies_ordered_after_the_step_they_touch(tiny_config_path, prefill_ahea
     assert any(f is not None for f, _ in backups) and all(f in (None, latest) for f, latest in backups)
 
 
-def test_prefill_ahead_on_by_default_and_off_by_flag(tiny_config_path, monkeypatch):
-    assert overlap_loop.PREFILL_AHEAD == (os.environ.get("HICACHE_PREFILL_AHEAD") != "0")
-    monkeypatch.setattr(overlap_loop, "PREFILL_AHEAD", False)  # HICACHE_PREFILL_AHEAD=0
-    plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640, hicache_ratio=8.0)
-    assert sched.overlap.ahead == 0 and sched.overlap.step_kv_cap() is None
+def test_prefill_ahead_on_by_default_and_off_by_flag(tiny_config_path):
+    from hicache.server.flags import add_dataclass_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, RuntimeConfig, "runtime")
+    assert not config_from_args(RuntimeConfig, parser.parse_args([])).disable_prefill_ahead
+    assert config_from_args(RuntimeConfig, parser.parse_args(["--disable-prefill-ahead"])).disable_prefill_ahead
+    plain, overlapped, sched = both(tiny_config_path, multiturn(6, 40, rounds=2), total=640, hicache_ratio=8.0,
+                                    ahead=False)
+    assert sched.overlap.ahead == 0 and sched.policy.step_kv_cap is None
     assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in plain.items()}
 
 
-def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path, prefill_ahead):
+def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_config_path):
     rng = random.Random(7)
     stem = [rng.randrange(3, 500) for _ in range(24)]
     sched = scheduler(tiny_config_path, True)
-    sched.add_request(GenerateRequest("a", stem + [rng.randrange(3, 500) for _ in range(60)], dict(GREEDY, max_new_tokens=1)))
+    sched.add_request(request("a", stem + [rng.randrange(3, 500) for _ in range(60)], dict(GREEDY, max_new_tokens=1)))
     sched.step()  # a's first chunk (48 tokens) is launched
-    sched.add_request(GenerateRequest("c", [rng.randrange(3, 500) for _ in range(20)], dict(GREEDY, max_new_tokens=1)))
-    sched.add_request(GenerateRequest("b", stem + [5, 6, 7, 8, 9], dict(GREEDY, max_new_tokens=1)))
+    sched.add_request(request("c", [rng.randrange(3, 500) for _ in range(20)], dict(GREEDY, max_new_tokens=1)))
+    sched.add_request(request("b", stem + [5, 6, 7, 8, 9], dict(GREEDY, max_new_tokens=1)))
     sched.step()  # launched ahead: a's last chunk and c, not b (a gives the tree its stem once applied)
     assert [r.rid for r in sched.overlap.inflight.plan.reqs] == ["a", "c"] and sched.overlap.ahead == 1
     assert [r.rid for r in sched.waiting] == ["b"]
@@ -323,7 +331,7 @@ def test_step_launched_ahead_waits_for_a_prefix_the_step_before_computes(tiny_co
     assert out["b"].meta["cached_tokens"] == 24 and out["c"].meta["cached_tokens"] == 0
 
 
-def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_ahead):
+def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
     """A step launched ahead admits a request whose load-back fails; the step before it reports the
     failure while it is in flight: the request is retracted then, what its step sampled is dropped
     (its sampler rewound) and it is recomputed, with the outputs of a cache-less run."""
@@ -332,17 +340,17 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_a
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(6)]
     ref = scheduler(tiny_config_path, False, disable_radix_cache=True)
     b1 = convs[1][:40] + [rng.randrange(3, 500) for _ in range(60)]  # runs past its first chunk
-    ref.add_request(GenerateRequest("b1", b1, sampled))
+    ref.add_request(request("b1", b1, sampled))
     want = run(ref, {})["b1"]["ids"]
 
     sched = scheduler(tiny_config_path, True, total=256, policy="lpm", hicache_ratio=8.0)  # b2 (60 cached) before b1 (40)
-    sched.cache.transfer = LateTransfer(sched.cache.transfer)
+    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
     ft, faults = fenced(sched), Faults(sched)
-    run(sched, {i: [GenerateRequest(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
-    sched.add_request(GenerateRequest("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))
+    run(sched, {i: [request(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
+    sched.add_request(request("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))
     sched.step()  # b0 loads its prefix back and is launched
-    assert sched.overlap.inflight.plan.kv_wait is not None
-    sched.add_request(GenerateRequest("b1", b1, sampled))
+    assert sched.overlap.inflight.plan.loads is not None
+    sched.add_request(request("b1", b1, sampled))
     faults.arm()  # b1's load-back fails; the engine reports it one poll late
     ahead = sched.overlap.ahead
     outs = sched.step()  # b1 launched ahead, then b0 applied: it reports b1's failure
@@ -350,7 +358,7 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path, prefill_a
     assert [r.rid for r in sched.waiting] == ["b1"] and sched.waiting[0].load_back_failed
     assert [o.rid for o in outs] == ["b0"] and sched.stats()["retractions"] == 1
     sched.check_integrity()
-    sched.add_request(GenerateRequest("b2", convs[2] + [7], dict(GREEDY, max_new_tokens=1)))
+    sched.add_request(request("b2", convs[2] + [7], dict(GREEDY, max_new_tokens=1)))
     n = len(ft.submitted)
     sched.step()  # b2 launched ahead of b1's step, whose request gave its slots back while in flight
     assert sched.overlap.ahead == ahead + 2 and sched.overlap.holds("b2")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.runtime.messages import GenerateRequest
-from test_hicache_l2 import GREEDY, drain, tiny_scheduler
+from test_hicache_l2 import GREEDY, drain, request, tiny_scheduler
 
 
 def footprint(sched) -> tuple:
-    return (sched.stats(), sched.tree.total_tokens(), sched.alloc.num_free_tokens(), sched.req_table.num_free(),
-            sched.cache.host_stats())
+    cache = sched.cache
+    return (sched.stats(), cache.tree.total_tokens(), cache.allocator.num_free_tokens(), cache.req_table.num_free(),
+            cache.controller.host_stats())
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -32,7 +32,7 @@ def test_later_requests_run_as_without_it(tiny_config_path):
             sched.warm_up()
         for i, params in enumerate([{"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True},
                                     dict(GREEDY, max_new_tokens=12)]):
-            sched.add_request(GenerateRequest(f"r{i}", [(7 * j + i) % 50 + 3 for j in range(40)], params))
+            sched.add_request(request(f"r{i}", [(7 * j + i) % 50 + 3 for j in range(40)], params))
         runs.append(drain(sched))
     assert runs[0] == runs[1]
     assert all(len(ids) == 12 for ids, _, _ in runs[1].values())

@@ -100,7 +100,7 @@ class Faults:
 
     def __init__(self, sched: Scheduler):
         self.on, self.armed = False, 0
-        pool = sched.cache.host_pool
+        pool = sched.cache.controller.host_pool
         for name in ("get_layer", "set_layer"):
             setattr(pool, name, self._wrap(getattr(pool, name)))
 

@@ -10,8 +10,8 @@ layer i's attention (`stream.wait_event`, no host sync), so layer i+1 loads whil
 Loads are held back until `start_loads()` (the scheduler calls it once its batch is made) and then
 queued together, one copy per layer for all of them: had each request's load been queued whole, one
 after another, a batch's layer 0 would wait for every load but the last. Even then a load's layers
-are queued `HICACHE_LOAD_AHEAD` (default 2) ahead of the layer the forward pass waits for, not all
-before the pass: queuing costs the host time that the pass's own launches need. Slot indices reach
+are queued `load_ahead` layers ahead of the layer the forward pass waits for, not all before the
+pass: queuing costs the host time that the pass's own launches need. Slot indices reach
 the device through pinned memory: a pageable copy on a side stream blocks the host until that stream
 drains.
 
@@ -19,32 +19,24 @@ With a pinned host pool on CUDA, io_backend "direct" (the default) moves pages o
 (`copy_engine.BatchCopier`: all of a layer's runs of pages in one `cuMemcpyBatchAsync`; a backup,
 every layer in one call), which take no SM from the compute they overlap; where the driver lacks
 that call (before CUDA 12.8) it falls back to "kernel": the Triton gather kernel of
-`hicache.kernels.transfer` (one launch per layer for a load, at most `HICACHE_LOAD_BLOCKS`
-programs per layer and K/V, default 16; one launch for all layers of a backup). On an H100, an
-extend of 1k tokens over a 31k prefix loaded back from L2 took 1.07-1.20x the time with the
-prefix resident with the copy engines, 1.36x with the kernel (benchmarks/RESULTS.md).
+`hicache.kernels.transfer` (one launch per layer for a load, at most `load_blocks` programs per
+layer and K/V; one launch for all layers of a backup). The copy engines measured faster than the
+kernel beside an extend (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
-import os
 import time
 from typing import Callable, NamedTuple
 
 import torch
 
-from hicache.tiers.base import DevicePool, TransferResult
+from hicache.tiers.base import IO_BACKENDS, DevicePool, TransferResult
 from hicache.tiers.host.copy_engine import BatchCopier, page_copies
 
 logger = logging.getLogger(__name__)
-
-IO_BACKENDS = ("direct", "kernel")
-LOAD_BLOCKS = int(os.environ.get("HICACHE_LOAD_BLOCKS", "16"))
-# 0: a load's copies are queued at once and the compute stream waits for the whole load (no overlap).
-LOAD_OVERLAP = os.environ.get("HICACHE_LOAD_OVERLAP", "1") != "0"
-LOAD_AHEAD = int(os.environ.get("HICACHE_LOAD_AHEAD", "2"))  # layers of a load queued ahead of the one waited for
 
 
 class _Queued:
@@ -98,12 +90,17 @@ class HostTransferEngine:
     Only the scheduler thread calls it.
     """
 
-    def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "direct"):
+    def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "direct", layerwise: bool = True,
+                 load_ahead: int = 2, load_blocks: int = 16):
+        """`layerwise`: the compute stream waits for a load layer by layer (False: for the whole
+        load at once); `load_ahead`: layers of a load queued ahead of the one waited for;
+        `load_blocks`: programs per layer and K/V of the gather kernel's loads."""
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"hicache_io_backend must be one of {', '.join(IO_BACKENDS)}; got {io_backend!r}")
         if device_pool.num_layers != host_pool.num_layers:
             raise ValueError(f"device pool has {device_pool.num_layers} layers, host pool {host_pool.num_layers}")
         self.device_pool, self.host_pool, self.io_backend = device_pool, host_pool, io_backend
+        self.layerwise, self.load_ahead, self.load_blocks = layerwise, load_ahead, load_blocks
         self.device = device_pool.k_buffer(0).device
         self._tickets = itertools.count(1)
         self._done: list[TransferResult] = []
@@ -174,7 +171,7 @@ class HostTransferEngine:
         return ticket
 
     def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start) -> None:
-        if kind == "load" and LOAD_OVERLAP:
+        if kind == "load" and self.layerwise:
             # Queued by start_loads (once the scheduler's plan is made) or the first wait_layer,
             # together with the other loads of that batch. It still comes after the compute queued
             # before now (or before the fence), which may read the pages it overwrites.
@@ -186,7 +183,7 @@ class HostTransferEngine:
             return
         self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer,
                     None if self._fence is None else [self._fence])
-        if kind == "load":  # LOAD_OVERLAP off: later compute waits for the whole load
+        if kind == "load":  # not layer-wise: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
     def start_loads(self) -> None:
@@ -223,7 +220,7 @@ class HostTransferEngine:
         with torch.cuda.stream(stream):  # the slot indices go to the device on that stream, before its copies
             steps, copy_step = self._copier(kind, device_slots, host_slots)
         queued = _Queued(stream, steps, copy_step, on_layer if kind == "load" else None)
-        queued.upto(LOAD_AHEAD if kind == "load" and LOAD_OVERLAP else steps - 1)
+        queued.upto(self.load_ahead if kind == "load" and self.layerwise else steps - 1)
         for ticket, tokens, start in jobs:
             self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued)
 
@@ -239,7 +236,7 @@ class HostTransferEngine:
             dslots, hslots = self._to_device(device_slots), self._to_device(host_slots)
             if load:
                 return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots,
-                                                 range(i, i + 1), to_host=False, max_blocks=LOAD_BLOCKS)
+                                                 range(i, i + 1), to_host=False, max_blocks=self.load_blocks)
             return 1, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers),
                                         to_host=True)
         if self._batch is not None:
@@ -305,7 +302,7 @@ class HostTransferEngine:
             return
         last = p.queued.steps - 1
         step = last if layer is None or p.kind != "load" else min(layer, last)
-        p.queued.upto(step + LOAD_AHEAD)
+        p.queued.upto(step + self.load_ahead)
         if (event := p.queued.event(step)) is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 

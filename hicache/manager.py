@@ -1,0 +1,275 @@
+"""`CacheManager`: the scheduler's one door to the KV cache.
+
+The scheduler asks it to admit a request (match its prefix, lock it, take a table row, load the
+L2 part back into L1, take slots), to grow a running request's slots, to release a request
+(insert what it computed, unlock, free the rest) and to poll finished transfers. What a request
+holds is a `Lease`; in-flight load-backs hide behind a `LoadHandle` that the batch plan carries
+to the runner. Beneath it: the `CacheController` (L1 <-> L2 moves over the radix tree), the
+`StorageController` (L3, when attached), the L1 page allocator and the request-to-token table.
+
+Only the scheduler thread calls it.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, NamedTuple
+
+import torch
+
+from hicache.controller import CacheController
+from hicache.storage import StorageRange
+from hicache.tiers.base import RequestTable
+from hicache.tree import MatchResult
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Lease:
+    """What one request holds of L1. Slots [0, prefix_len) belong to the radix tree (locked through
+    the lease); slots [prefix_len, len(slots)) belong to the request. `row` is its row of the
+    request-to-token table while it holds KV. `namespace` keys its prefix in the tree (cache salt);
+    `owner` is the caller's (the request)."""
+
+    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "_node", "_loads")
+
+    def __init__(self, namespace: str = "", owner: object = None):
+        self.namespace, self.owner = namespace, owner
+        self.row: int | None = None
+        self.slots = _EMPTY  # [allocated] int64, CPU
+        self.prefix_len = 0
+        self._node = None  # the tree node its lock sits on
+        self._loads: frozenset[int] = frozenset()  # load-backs its prefix still waits for
+
+    @property
+    def held(self) -> bool:
+        return self.row is not None
+
+    @property
+    def loading(self) -> bool:
+        """Some load-back of its prefix may still be in flight (or failed, unreported)."""
+        return bool(self._loads)
+
+
+class Match(NamedTuple):
+    """The cached part of a prefix: `device_tokens` on L1, then `host_tokens` more on L2 only."""
+
+    device_tokens: int
+    host_tokens: int
+    result: MatchResult
+
+    @property
+    def tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+class Admission(NamedTuple):
+    """An admitted request's cached prefix: `prefix` tokens, of which `loaded` came back from L2."""
+
+    prefix: int
+    loaded: int
+
+
+class LoadHandle:
+    """The load-backs that a batch's pages may still be waiting for. The runner calls
+    `wait_layer(i)` before layer i's attention (None: before a pass that reads every layer at
+    once); it orders the device after that layer of the loads (no host sync where the transfer
+    engine supports per-layer waits). `settle()` blocks until they have landed or failed."""
+
+    def __init__(self, controller: CacheController, tickets: frozenset[int]):
+        self._controller, self._tickets = controller, tickets
+        self.wait_layer: Callable[[int | None], None] = controller.layer_waiter(tickets)
+
+    def settle(self) -> None:
+        self._controller.settle_loads(self._tickets)
+
+
+class CacheManager:
+    def __init__(self, controller: CacheController, req_table: RequestTable):
+        self.controller = controller
+        self.tree = controller.tree
+        self.allocator = controller.tree.allocator
+        self.req_table = req_table
+        self.page_size = controller.tree.page_size
+        self.storage = controller.storage
+
+    @property
+    def disabled(self) -> bool:
+        """No radix cache: nothing is shared between requests."""
+        return self.controller.disabled
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.controller.host_pool is not None
+
+    def capacity_tokens(self) -> int:
+        """L1 tokens in all."""
+        return self.allocator.capacity_tokens()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def match(self, token_ids: list[int], namespace: str) -> Match:
+        m = self.controller.match(token_ids, namespace)
+        return Match(m.device_slots.numel(), m.host_hit_tokens, m)
+
+    def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True) -> Admission | None:
+        """Locks `match`'s L1 part for `lease`, takes a table row and, with `load`, brings the L2
+        part back into fresh L1 pages (all or nothing) keeping `load_room` more tokens free for
+        the first chunk after it. None when memory is short (no row, or no L1 room for the L2
+        part yet): the lease then holds nothing and the request waits. A short L2 part, or a
+        copy that failed at once, is not loaded: the request recomputes it."""
+        m = match.result
+        self.controller.lock(m.last_node)
+        lease._node, lease.slots = m.last_node, m.device_slots
+        lease.row = self.req_table.alloc()
+        if lease.row is None:
+            self.drop(lease)
+            return None
+        loaded = 0
+        if load and m.host_hit_tokens:
+            back = self.controller.load_back(m, load_room)
+            if back.refused == "room":
+                self.drop(lease)
+                return None
+            if not back.refused:
+                lease._node, lease.slots = back.last_node, torch.cat([lease.slots, back.device_slots])
+                loaded = back.device_slots.numel()
+        lease.prefix_len = lease.slots.numel()
+        self.req_table.write(lease.row, 0, lease.slots)
+        lease._loads = self.controller.pending_loads(lease._node)
+        return Admission(lease.prefix_len, loaded)
+
+    def grow(self, lease: Lease, upto: int, headroom: int = 0) -> bool:
+        """Extends the lease's slots to cover `upto` tokens (whole pages), evicting the tree if
+        needed and keeping `headroom` tokens free. False, changing nothing, when it cannot."""
+        need = -(-upto // self.page_size) * self.page_size - lease.slots.numel()
+        if need <= 0:
+            return True
+        free = self.allocator.num_free_tokens
+        if need + headroom > free():
+            self.controller.evict_device(need + headroom - free())
+            if need + headroom > free():
+                return False
+        new = self.allocator.alloc(need)
+        self.req_table.write(lease.row, lease.slots.numel(), new)
+        lease.slots = torch.cat([lease.slots, new])
+        return True
+
+    def release(self, lease: Lease, token_ids: list[int], prompt_tokens: int, keep: bool = True) -> None:
+        """Gives the tree the KV of `token_ids` (the tokens computed so far; whole pages), unless
+        `keep` is False (nothing new is cached: e.g. its prefix was never loaded correctly), then
+        frees everything else the lease holds and unlocks it."""
+        if lease._node is None:
+            return
+        kv = len(token_ids) if keep else lease.prefix_len
+        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens) if kv else 0
+        taken_end = present if self.disabled else kv // self.page_size * self.page_size
+        self.allocator.free(lease.slots[lease.prefix_len:max(present, lease.prefix_len)])
+        self.allocator.free(lease.slots[max(taken_end, lease.prefix_len):])
+        self.drop(lease)
+        if not keep:
+            self.controller.drop_stale()
+
+    def drop(self, lease: Lease) -> None:
+        """Unlocks the lease and frees its row; its own slots must have been freed."""
+        if lease._node is not None:
+            self.controller.unlock(lease._node)
+        if lease.row is not None:
+            self.req_table.free(lease.row)
+        lease.row, lease._node, lease.slots, lease.prefix_len, lease._loads = None, None, _EMPTY, 0, frozenset()
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    def refresh(self, lease: Lease) -> None:
+        """Forgets the lease's load-backs once they have landed."""
+        if lease._loads and self.controller.loads_done(lease._loads):
+            lease._loads = frozenset()
+
+    def load_handle(self, leases: list[Lease]) -> LoadHandle | None:
+        """The loads a batch over `leases` must wait for (None if none), started now that the
+        batch is known, so that its loads are queued together."""
+        tickets = frozenset().union(*(lease._loads for lease in leases))
+        if not tickets:
+            return None
+        handle = LoadHandle(self.controller, tickets)
+        self.controller.start_loads()
+        return handle
+
+    def poll(self, leases: list[Lease]) -> list[Lease]:
+        """Folds in finished transfers. Returns those of `leases` whose load-back failed: the
+        caller releases each with `keep=False` and recomputes its request."""
+        failed = self.controller.poll()
+        hit = [lease for lease in leases if lease._loads & failed] if failed else []
+        if failed and not hit:
+            self.controller.drop_stale()
+        return hit
+
+    def collect(self) -> None:
+        """Folds in finished transfers without reporting failed loads (the next `poll` does)."""
+        self.controller.collect()
+
+    def ordered_after(self, event):
+        """`CacheController.ordered_after`: new copies follow only the compute before `event`."""
+        return self.controller.ordered_after(event)
+
+    def busy(self) -> bool:
+        return self.controller.busy()
+
+    # ---- L3 prefetch -----------------------------------------------------------------------
+
+    def prefetch(self, rid: str, token_ids: list[int], namespace: str) -> None:
+        if self.storage is not None:
+            self.storage.prefetch(rid, token_ids, namespace)
+
+    def prefetch_ready(self, rid: str) -> StorageRange | None:
+        """None while the prefetch policy keeps the request waiting; else the prompt range its
+        prefetch committed to the tree (empty without L3)."""
+        return self.storage.ready(rid) if self.storage is not None else StorageRange()
+
+    def revoke(self, rid: str) -> None:
+        if self.storage is not None:
+            self.storage.revoke(rid)
+
+    def prefetch_grace(self) -> None:
+        if self.storage is not None:
+            self.storage.grace()
+
+    def prefetches_waiting(self) -> bool:
+        return self.storage is not None and bool(self.storage.waiting())
+
+    def idle_wait(self) -> None:
+        """Nothing to run: wait a little for what may change that (L3 answers, tier copies)."""
+        if self.storage is not None and (self.storage.waiting() or self.storage.busy()):
+            self.storage.wait(0.01)
+        elif self.busy():
+            time.sleep(0.001)
+
+    # ---- lifecycle, stats, integrity -------------------------------------------------------
+
+    def flush(self) -> bool:
+        return self.controller.flush()
+
+    def close(self) -> None:
+        """Stops the L3 I/O threads (after their in-flight writes)."""
+        if self.storage is not None:
+            self.storage.close()
+
+    def tier_stats(self, hits: dict[str, int], bytes_per_token: int) -> dict:
+        """Per-tier occupancy and traffic; `hits`: tokens served from each tier."""
+        a = self.allocator
+        device = {"used_tokens": a.capacity_tokens() - a.num_free_tokens(), "capacity_tokens": a.capacity_tokens(),
+                  "cached_tokens": self.tree.total_tokens(), "hit_tokens": hits["device"],
+                  "evicted_tokens": self.controller.counters["device_evicted_tokens"],
+                  "bytes_per_token": bytes_per_token}
+        empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
+        host = dict(self.controller.host_stats(), hit_tokens=hits["host"]) if self.controller.enabled else dict(empty)
+        storage = dict(self.storage.stats(), hit_tokens=hits["storage"]) if self.storage is not None else dict(empty)
+        return {"device": device, "host": host, "storage": storage}
+
+    def check_integrity(self, leases: list[Lease], rows: int) -> None:
+        """Every L1 slot free, held by one lease or owned by one node; locks = leases + transfers;
+        `rows`: table rows in all (each free or held by one lease)."""
+        held = [lease.slots[lease.prefix_len:] for lease in leases]
+        locks = collections.Counter(lease._node for lease in leases)
+        self.controller.check_integrity(torch.cat(held) if held else None, locks)
+        assert self.req_table.num_free() + len(leases) == rows, "table rows leaked"

@@ -1,0 +1,43 @@
+"""The scheduler's request and token counters, and the usage it reports per request."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.runtime.request import Req
+
+
+class Counters(dict):
+    """Counts since start: tokens computed and generated, prompt tokens served from each tier,
+    retractions, finished and aborted requests (a dict, so that a snapshot is a copy)."""
+
+    def __init__(self):
+        super().__init__(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
+                         retractions=0, requests_finished=0, requests_aborted=0)
+
+    def count_cached(self, req: Req, prefix: int, loaded: int) -> None:
+        """At `req`'s first admission: `prefix` tokens came from the cache, `loaded` of them back
+        from L2, of which those in its committed L3 prefetch range came from storage."""
+        start, end = req.storage_range  # the loaded-back part [prefix - loaded, prefix) may include it
+        storage = max(0, min(end, prefix) - max(start, prefix - loaded))
+        req.cached_tokens, req.cached_host, req.cached_storage = prefix, loaded - storage, storage
+        self["cached_device"] += prefix - loaded
+        self["cached_host"] += loaded - storage
+        self["cached_storage"] += storage
+
+    def hits(self) -> dict[str, int]:
+        return {"device": self["cached_device"], "host": self["cached_host"], "storage": self["cached_storage"]}
+
+    def report(self, tiers: dict, **state) -> dict:
+        """The scheduler's statistics: `state` (running, queued, ...), these counters, `tiers`."""
+        return {**state, "retractions": self["retractions"], "requests_finished": self["requests_finished"],
+                "requests_aborted": self["requests_aborted"], "tiers": tiers,
+                "tokens": {"prompt": self["prompt_tokens"], "generation": self["generation_tokens"],
+                           "cached": self.hits()}}
+
+
+def usage(req: Req) -> dict:
+    """The `meta` of a request's outputs: prompt and completion tokens, cached tokens by tier."""
+    cached, host, storage = req.cached_tokens or 0, req.cached_host, req.cached_storage
+    return {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids), "cached_tokens": cached,
+            "cached_tokens_details": {"device": cached - host - storage, "host": host, "storage": storage}}

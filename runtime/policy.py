@@ -1,0 +1,70 @@
+"""`BudgetPolicy`: the scheduler's budget decisions, apart from its bookkeeping.
+
+How many prompt tokens a step may take (`max_prefill_tokens`) and a request may take in one step
+(`chunked_prefill_size`), how many requests run together, in which order waiting requests are
+considered (`schedule_policy`), which request is retracted when L1 runs out, and how much of L1
+one prefill step may hold when steps are launched ahead with an L2 to load back from.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from hicache.runtime.config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from hicache.runtime.request import Req
+
+
+class BudgetPolicy:
+    def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool):
+        self.page_size = page_size
+        self.max_prefill_tokens = rc.max_prefill_tokens
+        self.max_running = rc.max_running_requests
+        self.chunk_size = rc.chunked_prefill_size
+        self.order_by_match = rc.schedule_policy == "lpm"
+        # With prefill steps launched ahead and an L2: the KV that one step's requests may hold
+        # together past the first (None: no cap), so that the next step's load-backs find room
+        # in L1, and start, while it runs.
+        share = rc.prefill_ahead_l1_share
+        self.step_kv_cap = int(l1_tokens * share) if prefill_ahead and has_host_tier and share < 1 else None
+
+    def chunk_len(self, req: Req, budget: int, start: int | None = None) -> int:
+        """Prompt tokens of `req`'s next chunk from `start` (default: its computed KV) within `budget`."""
+        n = min(req.seq_len - (req.kv_len if start is None else start), budget)
+        return min(n, self.chunk_size) if self.chunk_size > 0 else n
+
+    def order(self, waiting: list[Req], cached_tokens: Callable[[Req], int] | None) -> list[Req]:
+        """Waiting requests in the order admission considers them: arrival (fcfs), or the longest
+        cached prefix first (lpm; `cached_tokens` None when nothing is cached)."""
+        if not self.order_by_match or cached_tokens is None:
+            return list(waiting)
+        matched = {id(r): cached_tokens(r) for r in waiting}
+        return sorted(waiting, key=lambda r: (-matched[id(r)], r.arrival_seq))
+
+    def admits_more(self, running: int) -> bool:
+        return running < self.max_running
+
+    def over_step_cap(self, planned_kv: int, req: Req) -> bool:
+        """True when adding `req` to a step whose requests hold `planned_kv` tokens (at least one
+        request) would pass the step's share of L1."""
+        return self.step_kv_cap is not None and planned_kv > 0 and planned_kv + req.seq_len > self.step_kv_cap
+
+    def decode_headroom(self, running: list[Req], launched: bool) -> int:
+        """L1 tokens an admission leaves free: a page for the next token of each decoding request
+        (with a launched prefill step, all running requests decode next)."""
+        decoding = len(running) if launched else sum(1 for r in running if r.kv_len >= r.seq_len - 1)
+        return self.page_size * decoding
+
+    def wait_for_launched(self, req: Req, matched: int, launched: list[Req]) -> bool:
+        """True when a request of a launched, unapplied step shares at least a page of `req`'s
+        prompt past the `matched` tokens the tree holds: once that step is applied and the request
+        finished, the tree may hold it, so `req` waits for it rather than computing it again."""
+        upto = matched + self.page_size
+        ids = req.all_ids[:upto]
+        return len(req.all_ids) > upto and any(
+            r.namespace == req.namespace and r.all_ids[:upto] == ids for r in launched)
+
+    @staticmethod
+    def victim(running: list[Req]) -> Req:
+        """The request retracted when L1 runs out: the latest arrival."""
+        return max(running, key=lambda r: r.arrival_seq)
