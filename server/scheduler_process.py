@@ -34,7 +34,7 @@ from hicache.server.ipc import (
 
 logger = logging.getLogger("hicache.scheduler")
 
-DEFAULT_FACTORY = "hicache.runtime.scheduler:Scheduler"
+DEFAULT_FACTORY = "hicache.runtime.build:build_scheduler"
 IDLE_POLL_MS = 1000
 
 
@@ -117,8 +117,8 @@ def _build(factory: str, runtime_kwargs: dict, cache_kwargs: dict):
     from hicache.runtime.config import RuntimeConfig
 
     module_name, _, attr = factory.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
-    return cls(RuntimeConfig(**runtime_kwargs), HiCacheConfig(**cache_kwargs))
+    make = getattr(importlib.import_module(module_name), attr)
+    return make(RuntimeConfig(**runtime_kwargs), HiCacheConfig(**cache_kwargs))
 
 
 def _ready(sched) -> SchedulerReady:
@@ -190,7 +190,8 @@ class SchedulerLoop:
         try:
             self.sched.add_request(req)
         except ValueError as e:
-            self.pending.append(TokenOutput(rid=req.rid, new_token_ids=[], finish_reason={"type": "abort"}, error=str(e)))
+            self.pending.append(TokenOutput(rid=req.rid, new_token_ids=[], finish_reason={"type": "abort"},
+                                            error=str(e)))
 
     def _control(self, msg: ControlRequest) -> ControlReply:
         try:
