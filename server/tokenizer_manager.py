@@ -164,9 +164,6 @@ class TokenizerManager:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def new_rid(self) -> str:
-        return uuid.uuid4().hex
-
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Send `req` and yield its chunks until it finishes. Closing early aborts it."""
         if not self.alive:

@@ -61,10 +61,6 @@ class MatchResult(NamedTuple):
     host_hit_tokens: int = 0  # tokens after the L1 part that only L2 holds (whole pages)
     last_host_node: TreeNode | None = None  # deepest matched node overall (last_node when no L2 part)
 
-    @property
-    def last_device_node(self) -> TreeNode:
-        return self.last_node
-
 
 def _slice(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
     """A copy, so a split half never pins its sibling's buffer."""

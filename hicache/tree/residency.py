@@ -60,11 +60,6 @@ class Residency:
             pos += len(node.key)
         assert pos == slots.numel(), f"{slots.numel()} slots for {pos} tokens"
 
-    def detach_device(self, node: TreeNode) -> None:
-        """Frees an unlocked node's L1 copy; it must have an L2 copy and no child on L1."""
-        assert node.host_slots is not None and node in self._device_leaves, f"{node!r}: cannot leave L1"
-        self._drop_device(node)
-
     def attach_host(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Records `slots` ([len(key)] int64, host allocator's) as the node's L2 copy."""
         assert node.host_slots is None and slots.shape == (len(node.key),), f"{node!r}: bad host attach"

@@ -65,7 +65,3 @@ def _copy_bytes(payload: memoryview, page: torch.Tensor) -> None:
         page.copy_(torch.frombuffer(bytearray(payload), dtype=page.dtype).view(page.shape))
         return
     np.copyto(dst, src.reshape(dst.shape))
-
-
-def value_size(page: torch.Tensor) -> int:
-    return HEADER_SIZE + page.numel() * page.element_size()
