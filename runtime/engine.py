@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput, expand_n
+from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.stop import trim_stop
 from hicache.runtime.tokenizer import apply_chat_template
@@ -127,21 +128,28 @@ class Engine:
     # ---- internals ------------------------------------------------------------------------
 
     def _requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt):
+        """The messages to queue, checked here: the scheduler thread only checks what needs it."""
         single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)))
         ids = self._token_ids(prompt, input_ids)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        if len(params) != len(ids):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(ids)} prompts")
+        params = self._sampling_params(sampling_params, len(ids))
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
         msgs = []
         for one_ids, p in zip(ids, params):
-            if p is not None and not isinstance(p, dict):
-                raise ValueError("sampling_params must be a dict or a list of dicts")
-            base = GenerateRequest(f"eng-{next(self._ids)}-{uuid.uuid4().hex[:8]}", one_ids, dict(p or {}),
+            base = GenerateRequest(f"eng-{next(self._ids)}-{uuid.uuid4().hex[:8]}", one_ids, p,
                                    return_logprob, top_logprobs_num, cache_salt)
             for m in expand_n(base):
                 self.scheduler.validate(m)
                 msgs.append(m)
         return msgs, single and len(msgs) == 1
+
+    def _sampling_params(self, given: dict | list[dict] | None, num_prompts: int) -> list[SamplingParams]:
+        """One parsed `SamplingParams` per prompt (a dict or None applies to all of them)."""
+        given = given if isinstance(given, list) else [given] * num_prompts
+        if len(given) != num_prompts:
+            raise ValueError(f"sampling_params: {len(given)} given for {num_prompts} prompts")
+        vocab = self.scheduler.model_config.vocab_size
+        return [SamplingParams.from_dict(p, vocab) for p in given]
 
     def _token_ids(self, prompt, input_ids) -> list[list[int]]:
         if (prompt is None) == (input_ids is None):
@@ -168,8 +176,8 @@ class Engine:
         p = msg.sampling_params
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=p.get("skip_special_tokens", True))
-            text = trim_stop(text, last.finish_reason, p.get("no_stop_trim", False))
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            text = trim_stop(text, last.finish_reason, p.no_stop_trim)
         meta = dict(last.meta, id=msg.rid, finish_reason=last.finish_reason)
         if msg.return_logprob:
             meta["output_token_logprobs"] = [lp for o in outs for lp in (o.logprobs or [])]

@@ -1,21 +1,43 @@
 """Typed messages between a front end (Engine, HTTP server) and the scheduler.
 
-Plain dataclasses of builtins so that they cross a ZMQ socket as msgpack (never pickle):
-`dataclasses.asdict(msg)` encodes, `Cls(**d)` decodes.
+Dataclasses that cross a ZMQ socket as msgpack (never pickle). Those made of builtins encode as
+`dataclasses.asdict(msg)` and decode as `Cls(**d)`; `GenerateRequest`, which nests a
+`SamplingParams`, has its own `to_wire()` / `from_wire()`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from hicache.runtime.sampling import SamplingParams
 
 
 @dataclass
 class GenerateRequest:
+    """One prompt to generate for. The front end that built it has checked everything the
+    scheduler need not: `sampling_params` was parsed by `SamplingParams.from_dict`."""
+
     rid: str
     input_ids: list[int]
-    sampling_params: dict  # validated by SamplingParams.from_dict in the scheduler
+    sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str = ""  # tenants with different salts never share cached KV
+
+    def to_wire(self) -> dict[str, Any]:
+        """The fields as msgpack builtins; `sampling_params` as `SamplingParams.to_wire()`."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["sampling_params"] = self.sampling_params.to_wire()
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> GenerateRequest:
+        """Rebuild `to_wire()`'s dict; the sampling parameters are not validated again
+        (`SamplingParams.from_wire`). Missing or unknown keys raise TypeError."""
+        kw = dict(d)
+        if "sampling_params" in kw:
+            kw["sampling_params"] = SamplingParams.from_wire(kw["sampling_params"])
+        return cls(**kw)
 
 
 @dataclass
@@ -43,19 +65,13 @@ class TokenOutput:
 
 
 def expand_n(msg: GenerateRequest) -> list[GenerateRequest]:
-    """Fan a request with sampling n > 1 out into n requests `{rid}-{i}`. With a seed, copy i
-    uses seed + i, so the n outputs differ yet the whole set is reproducible."""
-    params = dict(msg.sampling_params or {})
-    n = params.pop("n", None)
-    n = 1 if n is None else n
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if n == 1:
-        return [GenerateRequest(msg.rid, msg.input_ids, params, msg.return_logprob, msg.top_logprobs_num, msg.cache_salt)]
-    out = []
-    for i in range(n):
-        p = dict(params)
-        if isinstance(p.get("seed"), int) and not isinstance(p["seed"], bool):
-            p["seed"] = p["seed"] + i
-        out.append(GenerateRequest(f"{msg.rid}-{i}", msg.input_ids, p, msg.return_logprob, msg.top_logprobs_num, msg.cache_salt))
-    return out
+    """Fan a request with sampling n > 1 out into n requests `{rid}-{i}` of n = 1. With a seed,
+    copy i uses seed + i, so the n outputs differ yet the whole set is reproducible."""
+    p = msg.sampling_params
+    if p.n == 1:
+        return [msg]
+    return [replace(msg, rid=f"{msg.rid}-{i}", sampling_params=_sample_i(p, i)) for i in range(p.n)]
+
+
+def _sample_i(p: SamplingParams, i: int) -> SamplingParams:
+    return replace(p, n=1, seed=None if p.seed is None else p.seed + i)

@@ -1,8 +1,9 @@
 """`SamplingParams`: one request's decoding options, with SGLang's native field names.
 
-Front ends pass a plain dict (JSON / msgpack); the scheduler turns it into `SamplingParams` with
-`SamplingParams.from_dict(d, vocab_size)`, which raises `ValueError` naming the offending field, so the
-message can go back to the client as a 400.
+Parsed once, at the edge (the `Engine`, the HTTP process), with `SamplingParams.from_dict(d,
+vocab_size)`, which raises `ValueError` naming the offending field so that the message can go back
+to the client as a 400. From there on the typed object travels: across the scheduler socket as
+`to_wire()` / `from_wire()`, a plain dict that is rebuilt without checking again.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class SamplingParams:
     """Immutable, validated decoding options of one request.
 
     `stop` and `stop_token_ids` are stored as tuples so that the object stays hashable;
-    `to_dict()` gives them back as lists.
+    `to_wire()` gives them back as lists.
     """
 
     max_new_tokens: int = 128
@@ -43,11 +44,18 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, Any]:
+        """Every field as msgpack / JSON builtins (tuples as lists); also a valid `from_dict` input."""
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        """Rebuild `to_wire()`'s dict without validating the values again: only a front end that
+        parsed them with `from_dict` writes it. An unknown key raises TypeError."""
+        return cls(**{k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in d.items()})
 
     @classmethod
     def from_dict(cls, d: dict | None, vocab_size: int) -> SamplingParams:
@@ -188,4 +196,5 @@ _VALIDATORS = {
     "no_stop_trim": _flag,
 }
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+_TUPLE_FIELDS = frozenset({"stop", "stop_token_ids"})
 assert _FIELD_NAMES == set(_VALIDATORS), "every field needs a validator"

@@ -1,8 +1,10 @@
 """The wire between the HTTP process and the scheduler process: typed messages as msgpack.
 
-One ZMQ frame carries a list of messages, each `[type_name, fields]` where `fields` is
-`dataclasses.asdict(msg)`; decoding rebuilds the dataclass with `Cls(**fields)`. Only the
-types registered below cross the socket, and never as pickle.
+One ZMQ frame carries a list of messages, each `[type_name, fields]`. `fields` is
+`msg.to_wire()` where the type defines it (`GenerateRequest`: its `SamplingParams` nested as
+a dict), else `dataclasses.asdict(msg)`; decoding rebuilds the dataclass with
+`Cls.from_wire(fields)`, else `Cls(**fields)`. Only the types registered below cross the
+socket, and never as pickle.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def pack(msgs: list) -> bytes:
         name = type(m).__name__
         if MESSAGE_TYPES.get(name) is not type(m):
             raise TypeError(f"{name} is not a registered IPC message type")
-        items.append([name, dataclasses.asdict(m)])
+        items.append([name, m.to_wire() if hasattr(m, "to_wire") else dataclasses.asdict(m)])
     return msgpack.packb(items, use_bin_type=True, default=_builtin)
 
 
@@ -93,8 +95,15 @@ def unpack(frame: bytes) -> list:
         cls = MESSAGE_TYPES.get(item[0])
         if cls is None:
             raise ValueError(f"unknown IPC message type {item[0]!r}")
-        out.append(cls(**item[1]))
+        out.append(_rebuild(cls, item[1]))
     return out
+
+
+def _rebuild(cls: type, fields: dict) -> Any:
+    try:
+        return cls.from_wire(fields) if hasattr(cls, "from_wire") else cls(**fields)
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"malformed {cls.__name__}: {e}") from None
 
 
 @dataclass(frozen=True)

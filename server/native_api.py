@@ -5,7 +5,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.sampling import SamplingParams
 from hicache.server.openai_api import SSE_HEADERS, stream_error, tm_of
 from hicache.server.protocol import AbortReqInput, APIError, GenerateReqInput, error_body, error_response, parse_body
 from hicache.server.serving import (
@@ -29,6 +30,7 @@ from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerMana
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 HEALTH_STATS_TIMEOUT_S = 2.0
+MAX_N = 128  # samples per prompt
 
 
 # ---- /generate ------------------------------------------------------------------------------
@@ -39,18 +41,11 @@ async def generate(request: Request):
     body = await parse_body(request, GenerateReqInput)
     tm = tm_of(request)
     prompts, batched = _native_prompts(tm, body)
-    sampling = dict(body.sampling_params or {})
-    n = sampling.pop("n", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
-        raise APIError(400, f"n must be an integer in [1, 128], got {n!r}", param="n", code="invalid_value")
-    limits = [resolve_max_tokens(tm, len(p), sampling.get("max_new_tokens", 128), "max_new_tokens") for p in prompts]
-    check_sampling(sampling, tm.info.vocab_size)
-    if "max_new_tokens" not in sampling:
-        sampling["max_new_tokens"] = min(limits)
+    params = _native_sampling(tm, body.sampling_params or {}, prompts)
     rid = body.rid or uuid.uuid4().hex
-    reqs = make_requests(prompts, sampling, n, rid, body.return_logprob, body.top_logprobs_num,
+    reqs = make_requests(prompts, params, rid, body.return_logprob, body.top_logprobs_num,
                          body.cache_salt or body.extra_key)
-    multi = batched or n > 1
+    multi = batched or params.n > 1
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:
@@ -63,6 +58,17 @@ async def generate(request: Request):
     out = [_native_result(r.rid, res.text, res.output_ids, res.meta, res.finish_reason, res.logprobs,
                           body.return_logprob, time.perf_counter() - started) for r, res in zip(reqs, results)]
     return out if multi else out[0]
+
+
+def _native_sampling(tm: TokenizerManager, sampling: dict, prompts: list[list[int]]) -> SamplingParams:
+    """The parsed sampling parameters. max_new_tokens null means as many as fit every prompt;
+    more than fit is a 400."""
+    params = check_sampling(sampling, tm.info.vocab_size)
+    if params.n > MAX_N:
+        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {params.n}", param="n", code="invalid_value")
+    requested = sampling.get("max_new_tokens", params.max_new_tokens)
+    limits = [resolve_max_tokens(tm, len(p), requested, "max_new_tokens") for p in prompts]
+    return replace(params, max_new_tokens=min(limits))
 
 
 def _native_prompts(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
@@ -149,7 +155,7 @@ async def health_generate(request: Request):
     """A one-token generation through the whole path."""
     tm = tm_of(request)
     req = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", input_ids=[0],
-                          sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+                          sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     try:
         await asyncio.wait_for(collect(tm, [req], None), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:

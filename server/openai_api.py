@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -122,8 +122,8 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     sampling = body.sampling_dict()
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
-    check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES)
-    reqs = make_requests(job.prompts, sampling, job.n, job.id, job.logprobs, top, body.cache_salt)
+    params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
+    reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt)
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:

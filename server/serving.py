@@ -37,7 +37,8 @@ class ChoiceResult:
 
 
 def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | None = None) -> SamplingParams:
-    """Validate with the runtime's rules; a bad value is a 400 naming the (API's) field."""
+    """Parse with the runtime's rules (the only parse: the typed result is what the scheduler
+    gets); a bad value is a 400 naming the (API's) field."""
     try:
         return SamplingParams.from_dict(sampling, vocab_size)
     except ValueError as e:
@@ -84,14 +85,14 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
                     param=param, code="context_length_exceeded")
 
 
-def make_requests(prompts: list[list[int]], sampling: dict, n: int, base_rid: str,
-                  return_logprob: bool = False, top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
+def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
+                  top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
-    n > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
+    `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
     reqs = []
     for p, ids in enumerate(prompts):
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
-        base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=dict(sampling, n=n), return_logprob=return_logprob,
+        base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                                top_logprobs_num=top_logprobs, cache_salt=cache_salt or "")
         reqs.extend(expand_n(base))
     return reqs

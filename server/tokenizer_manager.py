@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
+from hicache.runtime.sampling import SamplingParams
 from hicache.server import scheduler_process
 from hicache.server.detokenizer import IncrementalDetokenizer, StopStringBuffer
 from hicache.server.ipc import (
@@ -170,8 +171,7 @@ class TokenizerManager:
             raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
         state = _ReqState(queue=asyncio.Queue())
         self._states[req.rid] = state
-        sp = req.sampling_params or {}
-        stream = _RequestStream(self, sp)
+        stream = _RequestStream(self, req.sampling_params)
         finished = False
         try:
             self._send([req])
@@ -297,16 +297,12 @@ _DEAD = "\x00scheduler-dead"  # marks outputs injected by _mark_dead (-> 503)
 class _RequestStream:
     """Per-request detokenizer + stop-string buffer + cumulative state."""
 
-    def __init__(self, tm: TokenizerManager, sampling_params: dict) -> None:
+    def __init__(self, tm: TokenizerManager, params: SamplingParams) -> None:
         self.tm = tm
-        self.detok = IncrementalDetokenizer(
-            tm.tokenizer,
-            skip_special_tokens=sampling_params.get("skip_special_tokens", True) is not False,
-            spaces_between_special_tokens=sampling_params.get("spaces_between_special_tokens", True) is not False,
-        )
-        stop = sampling_params.get("stop") or []
-        self.stops = StopStringBuffer([stop] if isinstance(stop, str) else list(stop))
-        self.trim = not sampling_params.get("no_stop_trim", False)
+        self.detok = IncrementalDetokenizer(tm.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stops = StopStringBuffer(params.stop)
+        self.trim = not params.no_stop_trim
         self.output_ids: list[int] = []
         self.meta: dict = {}
 

@@ -1,4 +1,4 @@
-"""SamplingParams.from_dict: validation messages name the field; good dicts round-trip."""
+"""SamplingParams.from_dict: validation messages name the field; good dicts round-trip, also over the wire."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,18 +50,26 @@ def test_good_dicts_round_trip():
         # also a random subset of the keys: the rest takes defaults
         d = {k: v for k, v in d.items() if rng.random() < 0.8}
         p = SamplingParams.from_dict(d, V)
-        out = p.to_dict()
+        out = p.to_wire()
         for k, v in d.items():
             if v is not None:
                 assert out[k] == v, k
         assert SamplingParams.from_dict(out, V) == p
         assert hash(p) == hash(SamplingParams.from_dict(out, V))
+        assert SamplingParams.from_wire(out) == p
+        assert hash(SamplingParams.from_wire(out)) == hash(p)
 
 
 def test_none_takes_default_and_stop_string_wraps():
     p = SamplingParams.from_dict({"stop": "###", "temperature": None, "stop_token_ids": None}, V)
     assert p.stop == ("###",) and p.temperature == 1.0 and p.stop_token_ids == ()
-    assert p.to_dict()["stop"] == ["###"]
+    assert p.to_wire()["stop"] == ["###"]
+
+
+def test_from_wire_does_not_validate_again_but_refuses_unknown_keys():
+    assert SamplingParams.from_wire({"stop_token_ids": [V + 5]}).stop_token_ids == (V + 5,)  # vocab: the edge's job
+    with pytest.raises(TypeError):
+        SamplingParams.from_wire({"bogus": 1})
 
 
 def test_frozen():
@@ -108,3 +116,16 @@ def test_is_greedy():
     assert SamplingParams(top_k=1).is_greedy
     assert SamplingParams(temperature=1e-9).is_greedy  # would overflow as a divisor
     assert not SamplingParams(temperature=0.1, top_k=2).is_greedy
+
+
+def test_expand_n_fans_out_typed_copies_with_consecutive_seeds():
+    from hicache.runtime.messages import GenerateRequest, expand_n
+
+    one = GenerateRequest("r", [1, 2], SamplingParams(n=1, seed=5))
+    assert expand_n(one) == [one]
+    many = expand_n(GenerateRequest("r", [1, 2], SamplingParams(n=3, seed=5, temperature=0.7), cache_salt="t"))
+    assert [m.rid for m in many] == ["r-0", "r-1", "r-2"]
+    assert [m.sampling_params.seed for m in many] == [5, 6, 7]
+    assert all(m.sampling_params.n == 1 and m.sampling_params.temperature == 0.7 and m.cache_salt == "t" for m in many)
+    unseeded = expand_n(GenerateRequest("u", [1], SamplingParams(n=2)))
+    assert [m.sampling_params.seed for m in unseeded] == [None, None]

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
+from hicache.runtime.sampling import SamplingParams
 from hicache.server import stats_cli
 from hicache.server.cli import build_parser
 from hicache.server.config import ServerConfig
@@ -107,7 +108,7 @@ def test_stop_buffer_without_stops_passes_through():
 
 
 MESSAGES = [
-    GenerateRequest(rid="r1", input_ids=[1, 2, 3], sampling_params={"temperature": 0.5, "stop": ["x"]},
+    GenerateRequest(rid="r1", input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0.5, stop=("x",), seed=7),
                     return_logprob=True, top_logprobs_num=2, cache_salt="tenant"),
     AbortRequest(rid="r1"),
     TokenOutput(rid="r1", new_token_ids=[7], finish_reason={"type": "stop", "matched": 2},
@@ -126,7 +127,13 @@ def test_codec_round_trips_every_message_type():
 
 def test_codec_frames_are_plain_msgpack():
     items = msgpack.unpackb(pack(MESSAGES[:2]), raw=False)
-    assert items == [["GenerateRequest", dataclasses.asdict(MESSAGES[0])], ["AbortRequest", {"rid": "r1"}]]
+    assert items == [["GenerateRequest", MESSAGES[0].to_wire()], ["AbortRequest", {"rid": "r1"}]]
+    assert items[0][1]["sampling_params"]["stop"] == ["x"] and items[0][1]["sampling_params"]["temperature"] == 0.5
+
+
+def test_codec_rebuilds_typed_sampling_params():
+    (req,) = unpack(pack(MESSAGES[:1]))
+    assert isinstance(req.sampling_params, SamplingParams) and req.sampling_params == MESSAGES[0].sampling_params
 
 
 def test_codec_converts_numpy_values():
@@ -137,6 +144,8 @@ def test_codec_converts_numpy_values():
 @pytest.mark.parametrize("frame", [
     msgpack.packb([["Pickle", {}]]), msgpack.packb({"not": "a list"}), msgpack.packb([["AbortRequest"]]),
     msgpack.packb([["AbortRequest", {"rid": "x", "extra": 1}]]),
+    msgpack.packb([["GenerateRequest", {"rid": "x", "input_ids": [1], "sampling_params": {"bogus": 1}}]]),
+    msgpack.packb([["GenerateRequest", {"rid": "x", "input_ids": [1], "sampling_params": 5}]]),
 ])
 def test_codec_rejects_unknown_or_malformed(frame):
     with pytest.raises((ValueError, TypeError)):
