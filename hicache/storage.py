@@ -28,13 +28,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from hicache.config import PREFETCH_POLICIES
 from hicache.pagekey import chain_keys, salted_seed
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang's capacity limit)
 
 
