@@ -60,8 +60,9 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
     tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
                      host_allocator=host_pool.allocator if host_pool is not None else None)
-    transfer = HostTransferEngine(pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise,
-                                  cc.hicache_load_ahead_layers, cc.hicache_load_blocks) if host_pool is not None else None
+    transfer = None if host_pool is None else HostTransferEngine(
+        pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
+        cc.hicache_load_blocks)
     controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
     if cc.storage and controller.enabled:
         attach_storage(controller, cc, rc, loaded, host_pool)

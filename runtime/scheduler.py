@@ -45,8 +45,10 @@ class Scheduler:
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
         self.counters = Counters()
-        self.queue_version = 0  # changes whenever the queue or the running set changes (arrival, admission, finish, abort, retraction)
-        self.early_releases = 0  # running requests that gave their slots back before finishing (retractions)
+        # Change markers for the overlap loop: the queue or the running set changed (arrival,
+        # admission, finish, abort, retraction); a running request gave its slots back early.
+        self.queue_version = 0
+        self.early_releases = 0
         overlap = rc.enable_overlap_schedule or (self.runner.device.type == "cuda" and not rc.disable_overlap_schedule)
         prefill_ahead = overlap and not rc.disable_prefill_ahead
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
