@@ -241,8 +241,8 @@ def main(argv=None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results = []
-    with tempfile.TemporaryDirectory(prefix="hicache-compare-") as tmp, \
-            Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+    columns = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with tempfile.TemporaryDirectory(prefix="hicache-compare-") as tmp, Progress(*columns) as bar:
         for cfg in configs(args, args.l3_path or Path(tmp) / "lmdb", with_l3):
             result = run_config(cfg, args, wl_argv, module, bar, Path(tmp))
             result["compare"] = {"command": command, "planned_working_set": working_set, "l1_tokens": l1}
@@ -316,21 +316,25 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         cap, t, tier = r["server"]["capacity_tokens"], r["ttft_ms"], r["hit_rate_by_tier"]
         lines.append(f"| {r['tag']} | {cap['device']} / {cap['host']} / {cap['storage']} | {r['duration_s']:.1f} | "
-                     f"{r['request_throughput']:.2f} | {r['input_token_throughput']:.0f} | {r['output_token_throughput']:.1f} | "
+                     f"{r['request_throughput']:.2f} | {r['input_token_throughput']:.0f} | "
+                     f"{r['output_token_throughput']:.1f} | "
                      f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | {r['itl_ms'].get('p50', 0):.0f} | "
                      f"{r['e2e_ms']['p50']:.0f} | {r['cache_hit_rate']:.1%} | {tier['device']:.1%} | "
                      f"{tier['host']:.1%} | {tier['storage']:.1%} |")
     lines += ["", "Cache hit rate by round: total (L1 + L2 + L3).", "",
               "| configuration | " + " | ".join(f"round {n}" for n in rounds) + " |", "|---|" + "---:|" * len(rounds)]
     for r in results:
-        cells = [f"{x['cache_hit_rate']:.0%} ({x['hit_rate_by_tier']['device']:.0%} + {x['hit_rate_by_tier']['host']:.0%}"
-                 f" + {x['hit_rate_by_tier']['storage']:.0%})" for x in r["rounds"]]
+        cells = [f"{x['cache_hit_rate']:.0%} ({_tier_rates(x['hit_rate_by_tier'])})" for x in r["rounds"]]
         lines.append(f"| {r['tag']} | " + " | ".join(cells) + " |")
     lines += ["", "TTFT p50 by round (ms).", "",
               "| configuration | " + " | ".join(f"round {n}" for n in rounds) + " |", "|---|" + "---:|" * len(rounds)]
     for r in results:
         lines.append(f"| {r['tag']} | " + " | ".join(f"{x['ttft_ms']['p50']:.0f}" for x in r["rounds"]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _tier_rates(rates: dict) -> str:
+    return f"{rates['device']:.0%} + {rates['host']:.0%} + {rates['storage']:.0%}"
 
 
 def plot(results: list[dict], out: Path, name: str) -> None:
@@ -342,7 +346,8 @@ def plot(results: list[dict], out: Path, name: str) -> None:
     tags = [r["tag"] for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        ax.plot([x["round"] for x in r["rounds"]], [x["ttft_ms"]["p50"] / 1000 for x in r["rounds"]], marker="o", label=r["tag"])
+        ax.plot([x["round"] for x in r["rounds"]], [x["ttft_ms"]["p50"] / 1000 for x in r["rounds"]], marker="o",
+                label=r["tag"])
     ax.set(xlabel="round", ylabel="TTFT p50 (s)", title="Time to first token by round")
     ax.legend()
     ax.grid(alpha=0.3)

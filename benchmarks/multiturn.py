@@ -181,7 +181,8 @@ async def native_request(http: httpx.AsyncClient, turn: Turn, args) -> Reply:
         raise RuntimeError("empty /generate stream")
     meta = last["meta_info"]
     return Reply(events, last["output_ids"] if uses_ids(args) else last["text"], meta["prompt_tokens"],
-                 meta["completion_tokens"], meta.get("cached_tokens", 0), tier_counts(meta.get("cached_tokens_details")))
+                 meta["completion_tokens"], meta.get("cached_tokens", 0),
+                 tier_counts(meta.get("cached_tokens_details")))
 
 
 async def openai_request(http: httpx.AsyncClient, turn: Turn, args) -> Reply:
@@ -369,7 +370,10 @@ async def prepare(http: httpx.AsyncClient, args) -> None:
         args.model = (await http.get("/v1/models")).json()["data"][0]["id"]
     if args.warmup:
         send = native_request if args.api == "native" else openai_request
-        prompt = [{"role": "user", "content": "Hello"}] if args.api == "openai" else [args.vocab_range[0]] * 8 if uses_ids(args) else "Hello"
+        if args.api == "openai":
+            prompt = [{"role": "user", "content": "Hello"}]
+        else:
+            prompt = [args.vocab_range[0]] * 8 if uses_ids(args) else "Hello"
         await send(http, Turn(-1, -1, prompt), args)
     if args.flush:
         await http.post("/flush_cache")  # another engine may not have it: the status is not checked
@@ -398,12 +402,15 @@ def append_jsonl(result: dict, path: str | Path) -> None:
 def report(result: dict) -> str:
     t, i, e = result["ttft_ms"], result["itl_ms"], result["e2e_ms"]
     tiers = "  ".join(f"{k} {v:.1%}" for k, v in result["hit_rate_by_tier"].items())
-    lines = [f"{result['requests']} requests in {result['duration_s']:.1f} s: {result['request_throughput']:.2f} req/s, "
-             f"input {result['input_token_throughput']:.1f} tok/s, output {result['output_token_throughput']:.1f} tok/s",
+    lines = [f"{result['requests']} requests in {result['duration_s']:.1f} s: "
+             f"{result['request_throughput']:.2f} req/s, input {result['input_token_throughput']:.1f} tok/s, "
+             f"output {result['output_token_throughput']:.1f} tok/s",
              f"TTFT ms  mean {t['mean']:.0f}  p50 {t['p50']:.0f}  p90 {t['p90']:.0f}  p99 {t['p99']:.0f}",
-             f"ITL ms   mean {i.get('mean', 0):.1f}  p50 {i.get('p50', 0):.1f}  p90 {i.get('p90', 0):.1f}  p99 {i.get('p99', 0):.1f}",
+             f"ITL ms   mean {i.get('mean', 0):.1f}  p50 {i.get('p50', 0):.1f}  p90 {i.get('p90', 0):.1f}  "
+             f"p99 {i.get('p99', 0):.1f}",
              f"E2E ms   mean {e['mean']:.0f}  p50 {e['p50']:.0f}  p90 {e['p90']:.0f}  p99 {e['p99']:.0f}",
-             f"cache hit rate {result['cache_hit_rate']:.1%} ({tiers}); working set {result['working_set_tokens']} tokens"]
+             f"cache hit rate {result['cache_hit_rate']:.1%} ({tiers}); "
+             f"working set {result['working_set_tokens']} tokens"]
     for r in result["rounds"]:
         lines.append(f"  round {r['round']}: {r['requests']} requests, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
                      f"hit rate {r['cache_hit_rate']:.1%}")
@@ -439,7 +446,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-clients", type=int, default=16, help="conversations")
     p.add_argument("--num-rounds", type=int, default=6, help="rounds per conversation")
     p.add_argument("--request-length", type=int, default=256, help="round 0's question, in tokens")
-    p.add_argument("--question-length", type=int, default=None, help="later rounds' questions (default: request length)")
+    p.add_argument("--question-length", type=int, default=None,
+                   help="later rounds' questions (default: request length)")
     p.add_argument("--log-file", default=str(RESULTS / "multiturn.jsonl"), help="JSON line appended here")
     add_common_args(p)
     args = p.parse_args(argv)

@@ -107,7 +107,7 @@ def main() -> None:
     tok = {"ours": n_prompt + n_out, "hf": n_prompt + n_out,
            "prefix_cache_on": n_prompt + len(prefix) * args.num_prompts + n_out}
     tok["prefix_cache_off"] = tok["prefix_cache_on"]
-    print(f"\n| run | seconds | output tok/s | total tok/s |\n|---|---|---|---|")
+    print("\n| run | seconds | output tok/s | total tok/s |\n|---|---|---|---|")
     for name, sec in rows.items():
         print(f"| {name} | {sec:.2f} | {n_out / sec:.1f} | {tok[name] / sec:.1f} |")
     result = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "seconds": rows,

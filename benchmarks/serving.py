@@ -3,9 +3,9 @@
 For each concurrency level (default 1, 8, 32) every client streams requests back to back through
 native `/generate` (SGLang's format: `input_ids`, `stream`, cumulative `output_ids`) of a real
 `hicache serve` process until the level's requests are done, and the same requests go through the
-in-process `Engine.async_generate` (both loaded at once, runs alternating between the two paths). Prompts are distinct random token
-ids (no prefix sharing: this measures the serving path, not the cache) with `ignore_eos`, so every
-request produces exactly `--output-len` tokens.
+in-process `Engine.async_generate` (both loaded at once, runs alternating between the two paths).
+Prompts are distinct random token ids (no prefix sharing: this measures the serving path, not the
+cache) with `ignore_eos`, so every request produces exactly `--output-len` tokens.
 
 Reported per path and level: TTFT, ITL and end-to-end latency percentiles, output tokens/s and
 requests/s; and the HTTP path's throughput overhead at the highest level,
@@ -178,7 +178,7 @@ async def bench(args, workloads: dict[int, list[list[int]]]) -> list[LevelResult
             runners["http"] = await _http_runner(args, cleanups)
         if "engine" in args.paths:
             runners["engine"] = _engine_runner(args, cleanups)
-        for one, reset in runners.values():
+        for one, _ in runners.values():
             await one(workloads[min(workloads)][0])  # warm-up
         results = []
         for clients, prompts in workloads.items():
@@ -260,13 +260,15 @@ def print_level(r: LevelResult) -> None:
 
 
 def markdown(results: list[LevelResult]) -> str:
-    rows = ["| path | clients | requests | output tok/s | req/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | E2E p50 / p99 (ms) |",
+    rows = ["| path | clients | requests | output tok/s | req/s | TTFT p50 / p90 / p99 (ms) "
+            "| ITL p50 / p90 / p99 (ms) | E2E p50 / p99 (ms) |",
             "|---|---:|---:|---:|---:|---|---|---|"]
     for r in sorted(results, key=lambda r: (r.clients, r.path)):
         s = r.summary()
         t, i, e = s["ttft_ms"], s["itl_ms"], s["e2e_ms"]
         rows.append(f"| {r.path} | {r.clients} | {r.requests} | {s['output_tok_s']:.1f} | {s['req_s']:.2f} | "
-                    f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | {i.get('p50', 0):.1f} / {i.get('p90', 0):.1f} / "
+                    f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
+                    f"{i.get('p50', 0):.1f} / {i.get('p90', 0):.1f} / "
                     f"{i.get('p99', 0):.1f} | {e['p50']:.0f} / {e['p99']:.0f} |")
     return "\n".join(rows)
 

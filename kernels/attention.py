@@ -67,7 +67,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     """
     _check_heads(q, k_buffer)
     if slot_table.dim() != 2 or slot_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
-        raise ValueError(f"slot_table {tuple(slot_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {q.shape[0]}")
+        raise ValueError(f"slot_table {tuple(slot_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match batch {q.shape[0]}")
     batch, max_len = q.shape[0], int(seq_lens.max())
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     # index_select on one flat index is several times faster than 2-D advanced indexing on CPU

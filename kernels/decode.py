@@ -107,8 +107,10 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     batch, num_heads, d = q.shape
     index_vector("req_rows", req_rows, batch)
     index_vector("seq_lens", seq_lens, batch)
-    require(req_to_token.dim() == 2 and req_to_token.stride(1) == 1 and req_to_token.dtype in (torch.int32, torch.int64),
-            f"req_to_token must be [R, C] int32/int64 with contiguous rows, got {tuple(req_to_token.shape)} {req_to_token.dtype}")
+    require(req_to_token.dim() == 2 and req_to_token.stride(1) == 1
+            and req_to_token.dtype in (torch.int32, torch.int64),
+            f"req_to_token must be [R, C] int32/int64 with contiguous rows, "
+            f"got {tuple(req_to_token.shape)} {req_to_token.dtype}")
     if num_splits is None:
         max_len = int(seq_lens.max()) if batch else 1
         num_splits = default_num_splits(batch, k_buffer.shape[1], max_len, num_sms(device))
@@ -122,7 +124,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 32 if q.dtype == torch.float32 and d > 64 else BLOCK_N
-    stages = pipeline_stages(device, 2 * block_n * d * q.element_size(), (3, 2))  # 2 warps, 3 stages: the best of a parameter sweep
+    # 2 warps, 3 stages: the best of a parameter sweep
+    stages = pipeline_stages(device, 2 * block_n * d * q.element_size(), (3, 2))
     _decode_split[(batch, k_buffer.shape[1], num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_rows, seq_lens, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

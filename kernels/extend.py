@@ -60,7 +60,8 @@ def _extend(Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, scale_lo
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < ext
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None], other=0.0)
+    q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=m_mask[:, None],
+                other=0.0)
     q_pos = prefix + offs_m  # absolute position of each new token: it sees keys 0..q_pos
 
     live = mb * BLOCK_M < ext
@@ -103,8 +104,10 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     for name, t in (("req_rows", req_rows), ("prefix_lens", prefix_lens), ("extend_lens", extend_lens),
                     ("q_starts", q_starts)):
         index_vector(name, t, n)
-    require(req_to_token.dim() == 2 and req_to_token.stride(1) == 1 and req_to_token.dtype in (torch.int32, torch.int64),
-            f"req_to_token must be [R, C] int32/int64 with contiguous rows, got {tuple(req_to_token.shape)} {req_to_token.dtype}")
+    require(req_to_token.dim() == 2 and req_to_token.stride(1) == 1
+            and req_to_token.dtype in (torch.int32, torch.int64),
+            f"req_to_token must be [R, C] int32/int64 with contiguous rows, "
+            f"got {tuple(req_to_token.shape)} {req_to_token.dtype}")
     require(max_extend >= 0, f"max_extend must be >= 0, got {max_extend}")
     if out is None:
         out = torch.empty_like(q)

@@ -77,7 +77,8 @@ class PagedAttention:
             tensor_cores = num_qo_heads // num_kv_heads >= 4
         if graph_batch is None:
             self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                         use_tensor_cores=tensor_cores)
         else:
             indptr, indices, last = buffers
             self._prefill = None

@@ -26,7 +26,8 @@ def _rmsnorm(X, W, Out, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
     var = tl.sum(x * x, 0) / n
     normed = (x * tl.rsqrt(var + eps)).to(Out.dtype.element_ty)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, out, mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,10 +56,12 @@ def _add_rmsnorm(X, Delta, W, Sum, Out, stride_x, stride_d, stride_s, stride_o, 
     t = total.to(tl.float32)
     normed = (t * tl.rsqrt(tl.sum(t * t, 0) / n + eps)).to(Out.dtype.element_ty)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, out, mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next RMSNorm in one launch: returns (x + delta rounded to x's
     dtype, rmsnorm of that), both new [T, H]. x, delta [T, H] with contiguous rows."""
     on_cuda(x=x, delta=delta, weight=weight)
@@ -72,7 +75,8 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps:
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _add_rmsnorm[(x.shape[0],)](x, delta, weight, total, out, x.stride(0), delta.stride(0), total.stride(0),
-                                    out.stride(0), x.shape[1], eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                    out.stride(0), x.shape[1], eps, BLOCK=block,
+                                    num_warps=min(16, max(1, block // 256)))
     return total, out
 
 
@@ -105,12 +109,14 @@ def _rope(Q, K, QOut, KOut, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride
     _rotate_heads(K, KOut, cos, sin, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads, HALF, BLOCK_KH)
 
 
-def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int; q [T, Hq, D], k [T, Hk, D] (each head contiguous; rows may be strided);
     cos_sin [P, D] fp32 (cos in [:, :D/2], sin in [:, D/2:]), P > every position (not checked:
     that would sync). Returns rotated contiguous copies in q's / k's dtype."""
     on_cuda(positions=positions, q=q, k=k, cos_sin=cos_sin)
-    require(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel() and q.shape[2] == k.shape[2],
+    require(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel()
+            and q.shape[2] == k.shape[2],
             f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions {tuple(positions.shape)} do not fit")
     d = q.shape[2]
     require(d >= 4 and d & (d - 1) == 0, f"head_dim must be a power of two, got {d}")
@@ -119,7 +125,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: tor
             f"cos_sin must be [P, {d}] float32, got {tuple(cos_sin.shape)} {cos_sin.dtype}")
     require(positions.dim() == 1 and positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous(),
             "positions must be a contiguous 1-D int tensor")
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0]:
         _rope[(q.shape[0],)](q, k, q_out, k_out, cos_sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                              q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),

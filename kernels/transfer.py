@@ -69,10 +69,12 @@ def layer_pointers(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.
 def _host_strides(host: torch.Tensor, layout: str, num_layers: int, row: int) -> tuple[int, int, int, int]:
     """(host slots per page, page stride, kv stride, layer stride) in elements."""
     if layout == "layer_first":
-        require(host.dim() == 5 and host.shape[:2] == (2, num_layers), f"layer_first host buffer must be [2, {num_layers}, slots, H, D]")
+        require(host.dim() == 5 and host.shape[:2] == (2, num_layers),
+                f"layer_first host buffer must be [2, {num_layers}, slots, H, D]")
         return 1, row, host.stride(0), host.stride(1)
     require(layout == "page_first", f"layout must be layer_first or page_first, got {layout!r}")
-    require(host.dim() == 6 and host.shape[1:3] == (2, num_layers), f"page_first host buffer must be [pages, 2, {num_layers}, page, H, D]")
+    require(host.dim() == 6 and host.shape[1:3] == (2, num_layers),
+            f"page_first host buffer must be [pages, 2, {num_layers}, page, H, D]")
     return host.shape[3], host.stride(0), host.stride(1), host.stride(2)
 
 
@@ -86,10 +88,12 @@ def copy_kv(host: torch.Tensor, layout: str, device: DeviceLayers, host_slots: t
     host: the pinned host pool buffer (`layout`), dtype of the device layers; device: from
     `layer_pointers`; host_slots, device_slots: [n] int64 on the device. Queued on the current
     stream; slots must be in range (not checked: that would sync)."""
-    require(host.device.type == "cpu" and host.is_pinned() and host.is_contiguous(), "host must be a contiguous pinned CPU tensor")
+    require(host.device.type == "cpu" and host.is_pinned() and host.is_contiguous(),
+            "host must be a contiguous pinned CPU tensor")
     require(host.dtype == device.dtype, f"host dtype {host.dtype} differs from the device pool's {device.dtype}")
     dev_ptrs, row_shape = device.ptrs, device.row_shape
-    require(dev_ptrs.device.type == "cuda" and dev_ptrs.dtype == torch.int64 and dev_ptrs.dim() == 2 and dev_ptrs.shape[0] == 2,
+    require(dev_ptrs.device.type == "cuda" and dev_ptrs.dtype == torch.int64 and dev_ptrs.dim() == 2
+            and dev_ptrs.shape[0] == 2,
             f"dev_ptrs must be [2, L] int64 on CUDA, got {tuple(dev_ptrs.shape)} {dev_ptrs.dtype} {dev_ptrs.device}")
     num_layers = dev_ptrs.shape[1]
     require(len(layers) > 0 and layers.step == 1 and 0 <= layers.start and layers.stop <= num_layers,
@@ -98,7 +102,8 @@ def copy_kv(host: torch.Tensor, layout: str, device: DeviceLayers, host_slots: t
     index_vector("host_slots", host_slots, device_slots.numel())
     require(host_slots.device == dev_ptrs.device == device_slots.device, "slots must be on the device of dev_ptrs")
     row = row_shape[0] * row_shape[1]
-    require(host.shape[-2:] == tuple(row_shape), f"host rows {tuple(host.shape[-2:])} differ from the device's {tuple(row_shape)}")
+    require(host.shape[-2:] == tuple(row_shape),
+            f"host rows {tuple(host.shape[-2:])} differ from the device's {tuple(row_shape)}")
     host_page, s_page, s_kv, s_layer = _host_strides(host, layout, num_layers, row)
     n = device_slots.numel()
     if n == 0:

@@ -68,12 +68,18 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter("hicache_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("hicache_generation_tokens", "Generated tokens of finished requests.", registry=r)
-        self.cached_tokens = Counter("hicache_cached_tokens", "Prompt tokens served from a cache tier.", ["tier"], registry=r)
-        self.requests = Counter("hicache_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
-        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("hicache_inter_token_latency_seconds", "Time between output tokens.", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Request latency, arrival to finish.", buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter("hicache_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.cached_tokens = Counter("hicache_cached_tokens", "Prompt tokens served from a cache tier.", ["tier"],
+                                     registry=r)
+        self.requests = Counter("hicache_requests", "Finished requests by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hicache_inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             buckets=LATENCY_BUCKETS, registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)  # a series that never moved still reads 0
         self.scheduler = SchedulerCollector()

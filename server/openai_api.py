@@ -132,7 +132,8 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
         events = _sse(tm, job, rest, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(tm, reqs, request)
-    choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids) for i, r in enumerate(results)]
+    choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids)
+               for i, r in enumerate(results)]
     return job.envelope(choices, usage=usage([r.meta for r in results], [len(p) for p in job.prompts], job.n))
 
 

@@ -63,7 +63,8 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
     vocab = tm.info.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param, code="invalid_value")
+        raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param,
+                       code="invalid_value")
 
 
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, requested: int | None, param: str) -> int:

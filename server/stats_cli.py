@@ -12,8 +12,8 @@ from rich.live import Live
 from rich.table import Table
 
 TIERS = ("device", "host", "storage")
-_SHOWN = {"used_tokens", "capacity_tokens", "cached_tokens", "hit_tokens", "evicted_tokens", "enabled", "bytes_per_token",
-          "status", "degraded"}
+_SHOWN = {"used_tokens", "capacity_tokens", "cached_tokens", "hit_tokens", "evicted_tokens", "enabled",
+          "bytes_per_token", "status", "degraded"}
 
 
 class StatsUnavailable(Exception):

@@ -99,8 +99,9 @@ class RadixTree(Residency):
         if aligned == 0:
             return 0
         now = next(self._clock)
-        node, pos, present = self.root_of(namespace), 0, None
-        for node in self._walk_prefix(node, tokens):
+        root = self.root_of(namespace)
+        node, pos, present = root, 0, None  # node: the deepest cached node of the prefix
+        for node in self._walk_prefix(root, tokens):
             node.last_access = now
             node.hit_count += 1
             if node.device_slots is None:  # host-only: everything below is too (closure)
@@ -122,8 +123,9 @@ class RadixTree(Residency):
         end = len(tokens) // self.page_size * self.page_size
         if self.disabled or host_slots.numel() != end - start:
             raise ValueError(f"insert_host: {host_slots.numel()} host slots for tokens [{start}, {end})")
-        now, node, pos = next(self._clock), self.root_of(namespace), 0
-        for node in self._walk_prefix(node, tokens[:end]):
+        root = self.root_of(namespace)
+        now, node, pos = next(self._clock), root, 0
+        for node in self._walk_prefix(root, tokens[:end]):
             node.last_access = now
             pos += len(node.key)
         if pos < start or pos == end:  # a gap before start, or nothing new

@@ -28,7 +28,7 @@ def init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     registration order (a tied lm_head only once)."""
     gen = torch.Generator(device=model.device)
     gen.manual_seed(seed)
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.dim() >= 2:
             p.normal_(0.0, INIT_STD, generator=gen)
         else:

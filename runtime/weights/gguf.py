@@ -104,7 +104,8 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     """ModelConfig from GGUF metadata (keys as transformers' GGUF_CONFIG_MAPPING reads them)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (hicache runs {', '.join(SUPPORTED_GGUF_ARCHS)})")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(hicache runs {', '.join(SUPPORTED_GGUF_ARCHS)})")
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -140,7 +141,8 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
         if t.name == "rope_freqs.weight":  # Llama 3.1's llama3 scaling, as per-dim divisors
             from gguf import dequantize
 
-            return {"rope_type": "freq_factors", "factors": [float(x) for x in dequantize(t.data, t.tensor_type).ravel()]}
+            factors = dequantize(t.data, t.tensor_type).ravel()
+            return {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -163,7 +165,8 @@ class GGUFTensorInfo(NamedTuple):
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+               12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
 

@@ -105,8 +105,9 @@ class BatchCopier:
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64).reshape(-1) for a in (dsts, srcs, sizes))
         if dsts.size == 0:
             return
-        args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data), ctypes.c_void_p(sizes.ctypes.data),
-                ctypes.c_size_t(dsts.size), ctypes.byref(self._attrs[to_host]), self._first, ctypes.c_size_t(1)]
+        args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
+                ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(dsts.size), ctypes.byref(self._attrs[to_host]),
+                self._first, ctypes.c_size_t(1)]
         failed = ctypes.c_size_t(0)
         if self._fail_idx:
             args.append(ctypes.byref(failed))

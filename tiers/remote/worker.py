@@ -151,8 +151,8 @@ class StorageWorker:
             # a degraded backend has logged its reason once (set_degraded): no warning per operation
             log = logger.warning if self.backend.status() == "ok" else logger.debug
             log("L3 %s of %d pages failed: %r", op.kind, len(op.keys), e)
-            res = StorageResult(op.ticket, op.kind, False, self._progress.get(op.ticket, 0) if op.kind == "fetch" else 0,
-                                error=repr(e))
+            done = self._progress.get(op.ticket, 0) if op.kind == "fetch" else 0
+            res = StorageResult(op.ticket, op.kind, False, done, error=repr(e))
             self._count(errors=1)
         res = res._replace(seconds=time.perf_counter() - start)
         with self._cv:
