@@ -14,8 +14,8 @@ from typing import Any, AsyncIterator, Callable
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput, expand_n
+from hicache.runtime.build import build_scheduler
 from hicache.runtime.sampling import SamplingParams
-from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.stop import trim_stop
 from hicache.runtime.tokenizer import apply_chat_template
 
@@ -39,7 +39,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **options: Any):
         rc, cc = split_options({"model_path": model_path, **options})
-        self.scheduler = Scheduler(rc, cc)
+        self.scheduler = build_scheduler(rc, cc)
         self.tokenizer = self.scheduler.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._listeners: dict[str, Callable[[TokenOutput], None]] = {}
