@@ -64,7 +64,7 @@ class ForwardBatch:
     max_seq_len: int = 0
     kv_lens: list[int] = field(default_factory=list)  # per request: KV tokens once the pass has run
     graph_state: Any = None  # inside a captured decode graph: the backend's state for its batch size
-    wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, called before each layer's attention
+    wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, before each attention
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:

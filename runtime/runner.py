@@ -75,7 +75,8 @@ class ModelRunner:
         ends = list(itertools.accumulate(plan.extend_lens))
         return rows, self.model.compute_logits(_take_rows(hidden, [ends[i] - 1 for i in rows]))
 
-    def _prepare(self, plan: BatchPlan, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    def _prepare(self, plan: BatchPlan, input_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         ids, locs, token_slots = [], [], []
         for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
             if input_ids is None:
@@ -141,5 +142,6 @@ class PendingStep:
             return out
         res = self.pending.result()
         for j, i in enumerate(self.rows):
-            out.next_ids[i], out.logprobs[i], out.top_logprobs[i] = res.next_ids[j], res.logprobs[j], res.top_logprobs[j]
+            out.next_ids[i], out.logprobs[i] = res.next_ids[j], res.logprobs[j]
+            out.top_logprobs[i] = res.top_logprobs[j]
         return out
