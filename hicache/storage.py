@@ -387,7 +387,8 @@ class StorageController:
                "capacity_tokens": tokens(engine.get("capacity_bytes", 0)),
                "evicted_tokens": engine.get("evicted_pages", 0) * self.page_size,
                "prefetching": len(self._by_rid), "backups_in_flight": len(self._backups),
-               "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0)}
+               "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0),
+               "stale_pages": engine.get("stale_pages", 0)}
         out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
                   "backup_dropped_tokens", "prefetch_seconds", "backup_seconds"):

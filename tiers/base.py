@@ -175,7 +175,10 @@ class TransferEngine(Protocol):
 class StorageBackend(Protocol):
     """L3: a key-value store of KV pages (LMDB, Redis, in-memory). Keys are hex sha256 page
     keys, chained over the prefix; a value holds one page (K and V of every layer) framed with a
-    header and a checksum (`tiers/remote/framing.py`).
+    header, a digest of the full storage key it is stored under (namespace prefix included), a
+    checksum and, when the backend has a storage secret, a MAC (`tiers/remote/framing.py`). A
+    value read under another key than it was written for, or without a valid MAC where a secret
+    is set, is never served: it is a counted corrupt miss (`corrupt_pages`) and is deleted.
 
     `batch_exists(keys)` answers how many leading keys exist (keys are chained, so a prefix is what
     matters). `batch_get(keys, pages)` fills each page tensor (a host view [2, L, page_size, H, D],

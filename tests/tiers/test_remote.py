@@ -1,15 +1,21 @@
 """L3 backends (memory, LMDB, a real Redis), value framing and the I/O worker over a host pool.
 
-Every backend passes the same contract test; then what is particular to each: LMDB survives a
-reopen, evicts least recently used pages past its size cap, survives a full map, and turns a
-flipped byte into a counted miss; Redis down at start-up is degraded and resumes when it returns,
-and so does an LMDB path that cannot be opened (the worker counts misses, one warning).
+Framing binds a value to its full storage key and, with a secret, MACs it: a value under another
+key, namespace or key prefix, of an old format version, with a flipped byte, without a MAC or with
+a forged one is rejected. Every backend passes the same contract test, and turns swapped values
+into counted misses; then what is particular to each: LMDB survives a reopen, evicts least
+recently used pages past its size cap, survives a full map, and turns a flipped byte into a counted
+miss; Redis rejects a value a raw client copied to another key, and a forged one under a secret;
+Redis down at start-up is degraded and resumes when it returns, and so does an LMDB path that
+cannot be opened (the worker counts misses, one warning).
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import zlib
 import time
 import warnings
 
@@ -19,11 +25,13 @@ import torch
 from hicache.pagekey import namespace_seed, page_keys, salted_seed
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
-from hicache.tiers.remote.framing import HEADER_SIZE, CorruptValue, decode_into, encode
+from hicache.tiers.remote.framing import HEADER_SIZE, CorruptValue, StaleValue, decode_into, encode
 from hicache.tiers.remote.worker import StorageWorker
 
 NS = "00112233445566aa"
 SHAPE = (2, 3, 4, 2, 8)  # [K/V, layers, page_size, heads, head_dim]
+KEY = bytes.fromhex(NS) + bytes(range(32))  # a storage key as LMDB stores it
+SECRET = b"0123456789abcdef-test-secret"
 
 
 def pages(n: int, seed: int = 0, dtype=torch.float32) -> list[torch.Tensor]:
@@ -66,39 +74,115 @@ def test_page_keys_chain_and_namespaces():
     assert namespace_seed("ab", "c") != namespace_seed("a", "bc")
 
 
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "mac"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_framing_round_trip_and_every_mismatch_is_caught(dtype):
+def test_framing_round_trip_and_every_mismatch_is_caught(dtype, secret):
     page = pages(1, dtype=dtype)[0]
-    value = encode(page[:, :, :])
+    value = encode(page[:, :, :], KEY, secret)
     out = torch.empty_like(page)
-    decode_into(value, out)
+    decode_into(value, out, KEY, secret)
     assert torch.equal(out, page)
     strided = torch.empty(SHAPE[:2] + (8,) + SHAPE[3:], dtype=dtype)[:, :, 2:6]  # a layer_first-like view
-    decode_into(value, strided)
+    decode_into(value, strided, KEY, secret)
     assert torch.equal(strided, page)
-    for pos in (0, 5, HEADER_SIZE - 6, HEADER_SIZE, len(value) - 1):  # magic, shape, crc, payload
+    # magic, version, shape, length, crc, flags, key digest, payload (and the MAC, where there is one)
+    positions = [0, 3, 5, 33, 41, 44, 50, HEADER_SIZE - 6, HEADER_SIZE, len(value) - 1]
+    for pos in positions:
         bad = bytearray(value)
         bad[pos] ^= 0x10
         with pytest.raises(CorruptValue):
-            decode_into(bytes(bad), out)
+            decode_into(bytes(bad), out, KEY, secret)
     with pytest.raises(CorruptValue):
-        decode_into(value[:-1], out)
+        decode_into(value[:-1], out, KEY, secret)
     with pytest.raises(CorruptValue):
-        decode_into(value, torch.empty(SHAPE, dtype=torch.int8))
+        decode_into(value, torch.empty(SHAPE, dtype=torch.int8), KEY, secret)
+
+
+def test_a_value_is_bound_to_its_full_storage_key():
+    page = pages(1)[0]
+    out = torch.zeros(SHAPE)
+    for secret in (None, SECRET):
+        value = encode(page, KEY, secret)
+        for other in (KEY[:-1] + b"\x00",  # another page of the namespace
+                      bytes.fromhex("ffffffffffffffff") + KEY[8:],  # the same page key in another namespace
+                      KEY[8:],  # without the namespace prefix
+                      "hicache:" + NS + ":" + KEY[8:].hex()):  # the same bytes as another backend's key
+            with pytest.raises(CorruptValue, match="another key"):
+                decode_into(value, out, other, secret)
+        assert torch.equal(out, torch.zeros(SHAPE))  # nothing was copied
+    redis_key = "hicache:" + NS + ":" + KEY[8:].hex()
+    decode_into(encode(page, redis_key), out, redis_key.encode())  # a str key is its UTF-8 bytes
+    assert torch.equal(out, page)
+    with pytest.raises(CorruptValue, match="another key"):
+        decode_into(encode(page, redis_key), out, "other:" + NS + ":" + KEY[8:].hex())  # another key_prefix
+
+
+def test_without_a_valid_mac_a_value_is_rejected_where_a_secret_is_set():
+    page, out = pages(1)[0], torch.zeros(SHAPE)
+    plain = encode(page, KEY)  # what a writer without the secret makes: right key, valid CRC
+    decode_into(plain, out, KEY)  # accepted where no secret is set
+    with pytest.raises(CorruptValue, match="no MAC"):
+        decode_into(plain, out, KEY, SECRET)
+    with pytest.raises(CorruptValue, match="MAC mismatch"):
+        decode_into(encode(page, KEY, b"another secret, 16+ bytes"), out, KEY, SECRET)
+    forged = bytearray(encode(page, KEY, SECRET))  # a payload changed, its CRC fixed, the MAC kept
+    forged[HEADER_SIZE:HEADER_SIZE + 4] = b"\x00\x00\x80\x7f"
+    struct.pack_into("<I", forged, 40, zlib.crc32(forged[HEADER_SIZE:]))
+    decode_into(bytes(forged), out, KEY)  # a well-formed value...
+    out.zero_()
+    with pytest.raises(CorruptValue, match="MAC mismatch"):  # ...that the MAC rejects
+        decode_into(bytes(forged), out, KEY, SECRET)
+    unflagged = bytearray(encode(page, KEY, SECRET))
+    struct.pack_into("<H", unflagged, 44, 0)  # the MAC flag cleared: no longer a MACed value
+    with pytest.raises(CorruptValue):
+        decode_into(bytes(unflagged), out, KEY)
+    assert torch.equal(out, torch.zeros(SHAPE))
+    decode_into(encode(page, KEY, SECRET), out, KEY)  # a reader without the secret checks the CRC only
+    assert torch.equal(out, page)
+
+
+def v1_value(page: torch.Tensor) -> bytes:
+    """A value in the first format (48-byte header, no key digest)."""
+    raw = page.contiguous().view(torch.uint8).reshape(-1).numpy()
+    header = struct.pack("<3sBHH6IQI4x", b"HKV", 1, 1, page.dim(), *page.shape, 0, raw.nbytes, zlib.crc32(raw))
+    return header + raw.tobytes()
+
+
+def test_an_old_format_version_is_stale():
+    page, out = pages(1)[0], torch.zeros(SHAPE)
+    for secret in (None, SECRET):
+        with pytest.raises(StaleValue):
+            decode_into(v1_value(page), out, KEY, secret)
+    assert issubclass(StaleValue, CorruptValue) and torch.equal(out, torch.zeros(SHAPE))
+    with pytest.raises(CorruptValue, match="magic"):
+        decode_into(b"HK", out, KEY)
+
+
+def test_a_storage_secret_is_checked_and_never_shown(tmp_path):
+    with pytest.raises(ValueError, match="at least 16 bytes") as e:
+        make_backend("memory", NS, secret="short-secret")
+    assert "short-secret" not in str(e.value)
+    with pytest.raises(ValueError, match="does not take") as e:
+        make_backend("memory", NS, bogus=1)
+    assert "secret" not in str(e.value)  # the extra config cannot carry it
+    b = lmdb_backend(tmp_path, secret=SECRET)
+    b.batch_set(keys(1), pages(1))
+    assert SECRET.decode() not in repr(b.stats()) + repr(b) + b.status()
+    b.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoding_a_read_only_value_warns_nothing_and_leaves_it_intact(dtype):
     page = pages(1, dtype=dtype)[0]
-    value = encode(page)
+    value = encode(page, KEY)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. torch's "The given buffer is not writable"
         for out in (torch.empty_like(page), torch.zeros(SHAPE[:2] + (8,) + SHAPE[3:], dtype=dtype)[:, :, 2:6],
                     torch.empty(SHAPE[:3] + SHAPE[:2:-1], dtype=dtype).transpose(-1, -2)):  # no byte view: copied
-            decode_into(memoryview(value), out)
+            decode_into(memoryview(value), out, KEY)
             assert torch.equal(out, page)
             out.zero_()
-    assert value == encode(page)
+    assert value == encode(page, KEY)
 
 
 # ---- the backend contract -----------------------------------------------------------------
@@ -125,6 +209,70 @@ def test_backend_contract(backend):
     assert backend.status() == "ok"
 
 
+class RawStore:
+    """A backend's store reached around the backend, by full storage key (a writer with access to
+    the store but not going through hicache)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        if backend.name == "redis":
+            import redis
+
+            self.client = redis.Redis.from_url(backend.url)
+
+    def get(self, key: bytes) -> bytes:
+        b = self.backend
+        if b.name == "memory":
+            return b._data[key.decode()]
+        if b.name == "redis":
+            return self.client.get(key)
+        with b._env.env.begin(db=b._env.pages) as txn:
+            return txn.get(key)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        b = self.backend
+        if b.name == "memory":
+            b._data[key.decode()] = value
+        elif b.name == "redis":
+            self.client.set(key, value)
+        else:
+            with b._env.env.begin(write=True, db=b._env.pages) as txn:
+                txn.put(key, value)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "mac"])
+def test_swapped_values_are_counted_misses_and_deleted(backend, secret):
+    if secret:
+        backend._secret = secret
+    k, p = keys(6), pages(6)
+    assert backend.batch_set(k, p) == 6
+    raw, sk = RawStore(backend), [backend.storage_key(x) for x in k]
+    v = [raw.get(x) for x in sk]
+    raw.put(sk[1], v[4])  # two pages swapped, one overwritten with another's value
+    raw.put(sk[4], v[1])
+    raw.put(sk[2], v[0])
+    out = [torch.zeros(SHAPE) for _ in range(6)]
+    assert backend.batch_get(k, out) == [True, False, False, True, False, True]
+    assert all(torch.equal(out[i], torch.zeros(SHAPE)) for i in (1, 2, 4))  # nothing of them was copied
+    assert all(torch.equal(out[i], p[i]) for i in (0, 3, 5))
+    s = backend.stats()
+    assert s["corrupt_pages"] == 3 and s["hit_pages"] == 3 and s["miss_pages"] == 3
+    assert [backend.batch_exists([x]) for x in k] == [1, 0, 0, 1, 0, 1]  # deleted: the next backup rewrites them
+    assert backend.batch_set(k, p) == 3
+    assert backend.batch_get(k, out) == [True] * 6 and torch.equal(out[4], p[4])
+
+
+def test_an_old_format_value_is_a_stale_miss(backend):
+    k, p = keys(2), pages(2)
+    backend.batch_set(k, p)
+    RawStore(backend).put(backend.storage_key(k[1]), v1_value(p[1]))
+    out = [torch.zeros(SHAPE) for _ in range(2)]
+    assert backend.batch_get(k, out) == [True, False]
+    s = backend.stats()
+    assert s["stale_pages"] == 1 and s["corrupt_pages"] == 0 and s["miss_pages"] == 1
+    assert backend.batch_exists(k) == 1  # deleted, so that the next backup stores it in the new format
+
+
 def _same_store(backend) -> dict:
     if backend.name == "lmdb":
         return {"path": backend.path}
@@ -146,7 +294,7 @@ def test_lmdb_survives_reopen_and_shares_an_environment(tmp_path):
     c = lmdb_backend(tmp_path)
     out = [torch.zeros(SHAPE) for _ in range(3)]
     assert c.batch_get(k, out) == [True] * 3 and torch.equal(out[2], p[2])
-    assert c.stats()["used_bytes"] == 3 * len(encode(p[0]))
+    assert c.stats()["used_bytes"] == 3 * len(encode(p[0], KEY))
     c.close()
 
 
@@ -175,7 +323,7 @@ def test_lmdb_flipped_byte_is_a_counted_miss(tmp_path):
 
 
 def test_lmdb_evicts_least_recently_used_past_its_cap(tmp_path):
-    value_bytes = len(encode(pages(1)[0]))
+    value_bytes = len(encode(pages(1)[0], KEY))
     b = lmdb_backend(tmp_path, size_cap_gb=10 * value_bytes / 1e9)  # room for 10 pages
     k, p = keys(30), pages(30)
     b.batch_set(k[:8], p[:8])
@@ -193,7 +341,7 @@ def test_lmdb_evicts_least_recently_used_past_its_cap(tmp_path):
 
 
 def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
-    value_bytes = len(encode(pages(1)[0]))
+    value_bytes = len(encode(pages(1)[0], KEY))
     b = lmdb_backend(tmp_path, size_cap_gb=1.0, map_size_gb=100 * value_bytes / 1e9)  # the map fills first
     k, p = keys(200), pages(200)
     for lo in range(0, 200, 20):
@@ -208,16 +356,59 @@ def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
 
 
 def test_redis_down_at_start_is_degraded_then_resumes(redis_server):
+    import redis
+
     redis_server.stop()
     b = make_backend("redis", NS, url=redis_server.url, socket_timeout=0.5, connect_timeout=0.5)
     assert b.status().startswith("degraded")
-    with pytest.raises(Exception):
+    with pytest.raises((ConnectionError, OSError, redis.ConnectionError)):
         b.batch_exists(keys(1))
     redis_server.start()
     b.probe()
     assert b.status() == "ok"
     assert b.batch_set(keys(2), pages(2)) == 2
     b.close()
+
+
+def test_redis_rejects_a_value_copied_to_another_key(redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    b = make_backend("redis", NS, url=redis_server.url)
+    tenant_b = make_backend("redis", NS, url=redis_server.url, key_prefix="tenant-b")
+    k, p = keys(3), pages(3)
+    assert b.batch_set(k[:1], p[:1]) == 1 and tenant_b.batch_set(k[1:2], p[1:2]) == 1
+    stored = client.get(f"hicache:{NS}:{k[0]}")
+    assert stored is not None and client.get(f"tenant-b:{NS}:{k[1]}") is not None
+    client.set(f"hicache:{NS}:{k[2]}", stored)  # another page of the namespace
+    client.set(f"tenant-b:{NS}:{k[0]}", stored)  # the same page under another key prefix
+    client.set(f"hicache:{NS}:{k[1]}", client.get(f"tenant-b:{NS}:{k[1]}"))  # tenant-b's page, copied over
+    out = [torch.zeros(SHAPE) for _ in range(3)]
+    assert b.batch_get(k, out) == [True, False, False]
+    assert tenant_b.batch_get(k[:2], out[:2]) == [False, True]
+    assert torch.equal(out[2], torch.zeros(SHAPE))
+    assert b.stats()["corrupt_pages"] == 2 and tenant_b.stats()["corrupt_pages"] == 1
+    assert client.get(f"hicache:{NS}:{k[2]}") is None  # deleted
+    b.close()
+    tenant_b.close()
+
+
+def test_redis_with_a_secret_rejects_a_forged_value(redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    b = make_backend("redis", NS, url=redis_server.url, secret=SECRET)
+    k, p = keys(2), pages(2)
+    b.batch_set(k[:1], p[:1])
+    plain = make_backend("redis", NS, url=redis_server.url)  # a client without the secret
+    assert plain.batch_set(k[1:], p[1:]) == 1
+    client.set(f"hicache:{NS}:{k[0]}", encode(pages(1, seed=9)[0], f"hicache:{NS}:{k[0]}"))  # a forged page
+    out = [torch.zeros(SHAPE) for _ in range(2)]
+    assert b.batch_get(k, out) == [False, False]
+    assert b.stats()["corrupt_pages"] == 2 and torch.equal(out[0], torch.zeros(SHAPE))
+    assert b.batch_set(k, p) == 2 and b.batch_get(k, out) == [True, True] and torch.equal(out[1], p[1])
+    b.close()
+    plain.close()
 
 
 # ---- the I/O worker over a host pool ----------------------------------------------------------
@@ -254,7 +445,8 @@ def test_worker_backs_up_and_fetches_host_pages(tmp_path, layout):
     f = w_dst.fetch(k, into)
     r_query, r_fetch = results(w_dst, 2)
     assert (r_query.ticket, r_query.pages) == (q, 5)
-    assert (r_fetch.ticket, r_fetch.ok, r_fetch.pages) == (f, True, 5) and r_fetch.nbytes == 5 * src.bytes_per_token() * 4
+    assert (r_fetch.ticket, r_fetch.ok, r_fetch.pages) == (f, True, 5)
+    assert r_fetch.nbytes == 5 * src.bytes_per_token() * 4
     for i in range(5):
         assert torch.equal(dst.page(int(into[4 * i])), src.page(int(slots[4 * i])))
     w_src.close()

@@ -1,7 +1,7 @@
 """L3: storage backends behind one registry, and the I/O worker that moves pages between them and
 the host pool.
 
-`make_backend(name, namespace, **options)` imports a backend's module (and its optional
+`make_backend(name, namespace, secret, **options)` imports a backend's module (and its optional
 dependency: lmdb, redis) only when that backend is asked for, so `import hicache` needs neither.
 Unknown options are a ValueError naming them.
 """
@@ -24,12 +24,14 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_backend(name: str, namespace: str, **options):
-    """A `tiers.base.StorageBackend`. `namespace`: hex id that prefixes every key of this model."""
+def make_backend(name: str, namespace: str, secret: str | bytes | None = None, **options):
+    """A `tiers.base.StorageBackend`. `namespace`: hex id that prefixes every key of this model.
+    `secret`: the storage secret that MACs every value (None: values are bound to their keys and
+    checksummed, not authenticated); never one of the `options`, which come from the extra config."""
     cls = backend_class(name)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "namespace"}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "namespace", "secret"}
     unknown = set(options) - accepted
     if unknown:
         raise ValueError(f"storage backend {name!r} does not take {', '.join(sorted(unknown))} "
                          f"(it takes {', '.join(sorted(accepted)) or 'no options'})")
-    return cls(namespace, **options)
+    return cls(namespace, secret=secret, **options)

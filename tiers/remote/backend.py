@@ -1,4 +1,5 @@
-"""What the L3 backends share: thread-safe counters, health status, framed reads."""
+"""What the L3 backends share: thread-safe counters, health status, framed reads and writes bound to
+their storage keys (and MACed under the storage secret, if any)."""
 from __future__ import annotations
 
 import collections
@@ -7,7 +8,7 @@ import threading
 
 import torch
 
-from hicache.tiers.remote.framing import CorruptValue, decode_into
+from hicache.tiers.remote.framing import CorruptValue, StaleValue, check_secret, decode_into, encode
 
 logger = logging.getLogger(__name__)
 
@@ -18,15 +19,31 @@ class BackendUnavailable(OSError):
 
 
 class BackendBase:
-    """Counters (`gets`, `hit_pages`, `miss_pages`, `corrupt_pages`, `set_pages`, `bytes_read`,
-    `bytes_written`, `errors`) and the ok / degraded status. Subclasses set `name`."""
+    """Counters (`gets`, `hit_pages`, `miss_pages`, `corrupt_pages`, `stale_pages`, `set_pages`,
+    `bytes_read`, `bytes_written`, `errors`) and the ok / degraded status. Subclasses set `name` and
+    implement `storage_key` (the exact bytes a page key is stored under) and `delete`.
+
+    `secret` (optional, at least 16 bytes): values are written with a MAC under it and a value read
+    without a valid one is a counted corrupt miss. It is kept here only: never logged, never in
+    `stats()`."""
 
     name = "?"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | bytes | None = None) -> None:
         self._lock = threading.Lock()
         self._counters = collections.Counter()
         self._degraded: str | None = None
+        self._secret = check_secret(secret)
+        self._stale_logged = False
+
+    def storage_key(self, key: str) -> bytes:
+        """The full key (namespace prefix included) that page key `key` (hex) is stored under, as the
+        store sees it: what a value is bound to."""
+        raise NotImplementedError
+
+    def encode(self, key: str, page: torch.Tensor) -> bytes:
+        """The value to store for `page` under page key `key`."""
+        return encode(page, self.storage_key(key), self._secret)
 
     def count(self, **amounts: int) -> None:
         with self._lock:
@@ -55,17 +72,23 @@ class BackendBase:
         to check). The I/O worker calls it about once a second while the backend is degraded."""
 
     def fill(self, keys: list[str], values: list, pages: list[torch.Tensor]) -> list[bool]:
-        """Decodes `values` (None: absent) into `pages`. A corrupt value is a counted miss and is
-        deleted, so that the next backup of that page stores it again."""
-        ok, hits, corrupt, nbytes = [], 0, [], 0
+        """Decodes `values` (None: absent), read under page keys `keys`, into `pages`. A value
+        that fails its checks (`framing.decode_into`: another key's, no valid MAC, a bad checksum,
+        another format version) is a counted miss, nothing of it copied, and is deleted, so that
+        the next backup of that page stores it again. One warning per batch with corrupt values."""
+        ok, hits, corrupt, stale, nbytes, first = [], 0, [], [], 0, None
         for key, value, page in zip(keys, values, pages):
             if value is None:
                 ok.append(False)
                 continue
             try:
-                decode_into(value, page)
+                decode_into(value, page, self.storage_key(key), self._secret)
+            except StaleValue:
+                stale.append(key)
+                ok.append(False)
+                continue
             except CorruptValue as e:
-                logger.warning("L3 %s: page %s is corrupt (%s); counted as a miss and deleted", self.name, key[:16], e)
+                first = first or (key, e)
                 corrupt.append(key)
                 ok.append(False)
                 continue
@@ -73,9 +96,16 @@ class BackendBase:
             hits += 1
             nbytes += len(value)
         self.count(gets=len(keys), hit_pages=hits, miss_pages=len(keys) - hits, corrupt_pages=len(corrupt),
-                   bytes_read=nbytes)
-        if corrupt:
-            self.delete(corrupt)
+                   stale_pages=len(stale), bytes_read=nbytes)
+        if first is not None:
+            logger.warning("L3 %s: %d corrupt pages (the first, %s: %s); counted as misses and deleted",
+                           self.name, len(corrupt), first[0][:16], first[1])
+        if stale and not self._stale_logged:
+            self._stale_logged = True
+            logger.info("L3 %s: pages of another format version found; they are misses (counted, stale_pages) "
+                        "and are stored again by the next backup", self.name)
+        if corrupt or stale:
+            self.delete(corrupt + stale)
         return ok
 
     def delete(self, keys: list[str]) -> None:

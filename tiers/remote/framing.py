@@ -1,12 +1,26 @@
-"""L3 values: one page (K and V of every layer) behind a fixed header.
+"""L3 values: one page (K and V of every layer) behind a fixed header that binds it to its key.
 
-Header (little-endian, 48 bytes): magic b"HKV" + format version (1 byte), dtype code (u16), ndim
-(u16), shape (6 x u32, zero-padded), payload length (u64), CRC-32 of the payload (u32), then 4 pad
-bytes. `decode_into` checks every field against the page it fills and raises `CorruptValue` on any
-mismatch, before copying a byte.
+Header (little-endian, 96 bytes, `struct` format `<3sBHH6IQIH2x16s32s`): magic b"HKV", format
+version (u8, `VERSION`), dtype code (u16), ndim (u16), shape (6 x u32, zero-padded), payload length
+(u64), CRC-32 of the payload (u32), flags (u16; `FLAG_MAC`: the MAC field holds a MAC), 2 pad bytes,
+key digest (16 bytes), MAC (32 bytes; zeros without a secret). The payload follows.
+
+- Key digest: blake2b-128 (personalised `hicache-l3-key`) of the full storage key, the exact bytes
+  the backend stores the value under (its namespace prefix included), so a value copied or swapped
+  to another key, namespace or tenant does not decode.
+- MAC (with a storage secret only): HMAC-SHA256 keyed with the secret over u32-LE length of the
+  storage key, the storage key, the header's first 64 bytes (everything but the MAC) and the
+  payload. A writer without the secret cannot make a value that a reader with it accepts.
+
+`decode_into(value, page, key, secret)` checks all of it against the page it fills and the key it
+was read under, before copying a byte: `StaleValue` for another format version, `CorruptValue` for
+anything else. With a secret the MAC is checked instead of the CRC-32 (it covers the payload);
+without one the CRC-32 is checked and a MAC, if any, is ignored.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 
@@ -14,43 +28,111 @@ import numpy as np
 import torch
 
 MAGIC = b"HKV"
-VERSION = 1
-_HEADER = struct.Struct("<3sBHH6IQI4x")
+VERSION = 2
+FLAG_MAC = 1
+MIN_SECRET_BYTES = 16
+_HEADER = struct.Struct("<3sBHH6IQIH2x16s32s")
 HEADER_SIZE = _HEADER.size
+_SIGNED = HEADER_SIZE - 32  # the header bytes the MAC covers: all but the MAC itself
+_NO_MAC = bytes(32)
+_KEY_PERSON = b"hicache-l3-key"
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.uint8: 5, torch.int8: 6}
 
 
 class CorruptValue(ValueError):
-    """A stored value whose header or checksum does not match the page it should fill."""
+    """A stored value that does not match the page it should fill or the key it was read under
+    (header, key digest, checksum or MAC)."""
 
 
-def encode(page: torch.Tensor) -> bytes:
-    """Header + the page's bytes (row-major, one copy if `page` is not contiguous)."""
+class StaleValue(CorruptValue):
+    """A value of another format version (written before an upgrade, or by another version)."""
+
+
+def check_secret(secret: str | bytes | None) -> bytes | None:
+    """The storage secret as bytes (None: no MAC). ValueError, naming no part of it, if it is
+    shorter than `MIN_SECRET_BYTES`."""
+    if secret is None:
+        return None
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"the L3 storage secret must be at least {MIN_SECRET_BYTES} bytes (got {len(raw)}); "
+                         "use e.g. 32 random bytes in hex")
+    return raw
+
+
+def key_digest(key: bytes | str) -> bytes:
+    """16-byte digest of a full storage key (bytes, or a str stored as its UTF-8)."""
+    return hashlib.blake2b(_raw_key(key), digest_size=16, person=_KEY_PERSON).digest()
+
+
+def encode(page: torch.Tensor, key: bytes | str, secret: bytes | None = None) -> bytes:
+    """Header + the page's bytes (row-major, one copy if `page` is not contiguous), bound to the
+    storage key `key` and, with `secret` (from `check_secret`), MACed."""
     if page.dim() > 6 or page.dtype not in _DTYPES:
         raise ValueError(f"cannot frame a {page.dtype} tensor of {page.dim()} dims")
     raw = page.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
     shape = list(page.shape) + [0] * (6 - page.dim())
-    header = _HEADER.pack(MAGIC, VERSION, _DTYPES[page.dtype], page.dim(), *shape, raw.nbytes, zlib.crc32(raw))
+    key = _raw_key(key)
+    flags = FLAG_MAC if secret else 0
+    header = _HEADER.pack(MAGIC, VERSION, _DTYPES[page.dtype], page.dim(), *shape, raw.nbytes, zlib.crc32(raw),
+                          flags, key_digest(key), _NO_MAC)
+    if secret:
+        header = header[:_SIGNED] + _mac(secret, key, header, raw.data)
     return b"".join((header, raw.data))
 
 
-def decode_into(value, page: torch.Tensor) -> None:
-    """Copies the payload of `value` (bytes or a buffer) into `page` after checking the header and
-    the checksum against it; CorruptValue otherwise."""
+def decode_into(value, page: torch.Tensor, key: bytes | str, secret: bytes | None = None) -> None:
+    """Copies the payload of `value` (bytes or a buffer), read under the storage key `key`, into
+    `page` after checking header, key digest and checksum (with `secret`: the MAC instead of the
+    checksum) against them; StaleValue or CorruptValue otherwise, with nothing copied."""
     view = memoryview(value)
-    if len(view) < HEADER_SIZE:
-        raise CorruptValue(f"value of {len(view)} bytes is shorter than the header")
-    magic, version, dtype, ndim, *rest = _HEADER.unpack_from(view)
-    shape, length, crc = tuple(rest[:ndim]), rest[6], rest[7]
-    want = (MAGIC, VERSION, _DTYPES.get(page.dtype), page.dim(), tuple(page.shape), page.numel() * page.element_size())
-    if (magic, version, dtype, ndim, shape, length) != want:
-        raise CorruptValue(f"header {(magic, version, dtype, ndim, shape, length)} does not match the page {want}")
+    fields = _header(view)
+    magic, version, dtype, ndim, *rest = fields
+    shape, length, crc, flags, digest, mac = tuple(rest[:ndim]), rest[6], rest[7], rest[8], rest[9], rest[10]
+    key = _raw_key(key)
+    if not hmac.compare_digest(digest, key_digest(key)):
+        raise CorruptValue("the value is stored under another key")
+    want = (_DTYPES.get(page.dtype), page.dim(), tuple(page.shape), page.numel() * page.element_size())
+    if (dtype, ndim, shape, length) != want:
+        raise CorruptValue(f"header {(dtype, ndim, shape, length)} does not match the page {want}")
     payload = view[HEADER_SIZE:]
     if len(payload) != length:
         raise CorruptValue(f"payload of {len(payload)} bytes, header says {length}")
-    if zlib.crc32(payload) != crc:
+    if flags & ~FLAG_MAC or (not flags & FLAG_MAC and mac != _NO_MAC):
+        raise CorruptValue(f"bad flags {flags:#x} or a MAC field without the flag")
+    if secret:
+        if not flags & FLAG_MAC:
+            raise CorruptValue("no MAC, and this store requires one")
+        if not hmac.compare_digest(mac, _mac(secret, key, view[:_SIGNED], payload)):
+            raise CorruptValue("MAC mismatch")
+    elif zlib.crc32(payload) != crc:
         raise CorruptValue("checksum mismatch")
     _copy_bytes(payload, page)
+
+
+def _header(view: memoryview) -> tuple:
+    """The unpacked header of a value of this version; StaleValue for another version,
+    CorruptValue for anything that is not a value."""
+    if len(view) < len(MAGIC) + 1 or bytes(view[:len(MAGIC)]) != MAGIC:
+        raise CorruptValue("not a framed value (bad magic)")
+    version = view[len(MAGIC)]
+    if version != VERSION:
+        raise StaleValue(f"format version {version}, this server reads {VERSION}")
+    if len(view) < HEADER_SIZE:
+        raise CorruptValue(f"value of {len(view)} bytes is shorter than the header")
+    return _HEADER.unpack_from(view)
+
+
+def _mac(secret: bytes, key: bytes, header, payload) -> bytes:
+    m = hmac.new(secret, len(key).to_bytes(4, "little"), hashlib.sha256)
+    m.update(key)
+    m.update(header[:_SIGNED])
+    m.update(payload)
+    return m.digest()
+
+
+def _raw_key(key: bytes | str) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
 
 
 def _copy_bytes(payload: memoryview, page: torch.Tensor) -> None:

@@ -34,7 +34,6 @@ import lmdb
 import torch
 
 from hicache.tiers.remote.backend import BackendBase, BackendUnavailable
-from hicache.tiers.remote.framing import encode
 
 logger = logging.getLogger(__name__)
 
@@ -232,8 +231,8 @@ class LmdbBackend(BackendBase):
     name = "lmdb"
 
     def __init__(self, namespace: str, path: str, size_cap_gb: float = 16.0, map_size_gb: float | None = None,
-                 sync: bool = False):
-        super().__init__()
+                 sync: bool = False, secret: str | bytes | None = None):
+        super().__init__(secret)
         if size_cap_gb <= 0:
             raise ValueError(f"lmdb size_cap_gb must be > 0, got {size_cap_gb}")
         cap = int(size_cap_gb * GB)
@@ -275,20 +274,20 @@ class LmdbBackend(BackendBase):
         except BackendUnavailable:
             pass
 
-    def _key(self, key: str) -> bytes:
+    def storage_key(self, key: str) -> bytes:
         return self._ns + bytes.fromhex(key)
 
     def batch_exists(self, keys: list[str]) -> int:
         e = self._ready()
         with e.env.begin(db=e.pages, buffers=True) as txn:
             for i, key in enumerate(keys):
-                if txn.get(self._key(key)) is None:
+                if txn.get(self.storage_key(key)) is None:
                     return i
         return len(keys)
 
     def batch_get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         e = self._ready()
-        raw = [self._key(k) for k in keys]
+        raw = [self.storage_key(k) for k in keys]
         with e.env.begin(db=e.pages, buffers=True) as txn:  # buffers point into the map: decode inside
             ok = self.fill(keys, [txn.get(k) for k in raw], pages)
         hits = [k for k, good in zip(raw, ok) if good]
@@ -298,14 +297,14 @@ class LmdbBackend(BackendBase):
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
         e = self._ready()
-        items = [(self._key(k), encode(p)) for k, p in zip(keys, pages)]
+        items = [(self.storage_key(k), self.encode(k, p)) for k, p in zip(keys, pages)]
         written, nbytes = e.submit(e.put, items).result()
         self.count(set_pages=written, bytes_written=nbytes)
         return written
 
     def delete(self, keys: list[str]) -> None:
         e = self._ready()
-        e.submit(e.delete, [self._key(k) for k in keys]).result()
+        e.submit(e.delete, [self.storage_key(k) for k in keys]).result()
 
     def clear(self) -> None:
         e = self._ready()

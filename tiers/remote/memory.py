@@ -7,7 +7,6 @@ import threading
 import torch
 
 from hicache.tiers.remote.backend import BackendBase
-from hicache.tiers.remote.framing import encode
 
 _STORES: dict[str, dict[str, bytes]] = {}
 _STORES_LOCK = threading.Lock()
@@ -16,8 +15,8 @@ _STORES_LOCK = threading.Lock()
 class MemoryBackend(BackendBase):
     name = "memory"
 
-    def __init__(self, namespace: str, store: str | None = None):
-        super().__init__()
+    def __init__(self, namespace: str, store: str | None = None, secret: str | bytes | None = None):
+        super().__init__(secret)
         self._prefix = namespace + ":"
         if store is None:
             self._data: dict[str, bytes] = {}
@@ -25,6 +24,9 @@ class MemoryBackend(BackendBase):
             with _STORES_LOCK:
                 self._data = _STORES.setdefault(store, {})
         self._mutex = threading.Lock()
+
+    def storage_key(self, key: str) -> bytes:
+        return (self._prefix + key).encode()
 
     def batch_exists(self, keys: list[str]) -> int:
         with self._mutex:
@@ -44,7 +46,7 @@ class MemoryBackend(BackendBase):
             k = self._prefix + key
             if k in self._data:
                 continue
-            value = encode(page)
+            value = self.encode(key, page)
             with self._mutex:
                 self._data[k] = value
             written += 1

@@ -15,7 +15,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from hicache.tiers.remote.backend import BackendBase
-from hicache.tiers.remote.framing import encode
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
@@ -24,8 +23,9 @@ class RedisBackend(BackendBase):
     name = "redis"
 
     def __init__(self, namespace: str, url: str = "redis://127.0.0.1:6379/0", key_prefix: str = "hicache",
-                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, max_connections: int = 8):
-        super().__init__()
+                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, max_connections: int = 8,
+                 secret: str | bytes | None = None):
+        super().__init__(secret)
         self.url = url
         self._prefix = f"{key_prefix}:{namespace}:"
         self._pool = redis.ConnectionPool.from_url(
@@ -33,6 +33,9 @@ class RedisBackend(BackendBase):
             max_connections=max_connections, retry=Retry(NoBackoff(), 1), health_check_interval=30)
         self._client = redis.Redis(connection_pool=self._pool)
         self.probe()
+
+    def storage_key(self, key: str) -> bytes:
+        return (self._prefix + key).encode()  # what redis-py sends for the str key
 
     def _call(self, fn):
         try:
@@ -68,7 +71,7 @@ class RedisBackend(BackendBase):
         return self.fill(keys, values, pages)
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
-        values = [encode(p) for p in pages]
+        values = [self.encode(k, p) for k, p in zip(keys, pages)]
         done = self._pipeline(lambda p: [p.set(self._prefix + k, v, nx=True) for k, v in zip(keys, values)])
         written = [len(v) for v, ok in zip(values, done) if ok]
         self.count(set_pages=len(written), bytes_written=sum(written))
