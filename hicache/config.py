@@ -28,6 +28,7 @@ class HiCacheConfig:
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
+    hicache_storage_secret: str | None = field(default=None, repr=False, metadata={"help": "Secret (at least 16 bytes) that authenticates L3 values with an HMAC-SHA256: a value without a valid MAC is a counted miss, so writers to a shared store (Redis) without it cannot plant pages. Every server sharing a store needs the same one. Default: the HICACHE_STORAGE_SECRET environment variable (not visible in ps), else none (values are still bound to their keys and checksummed). Never logged or shown."})
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -49,7 +50,8 @@ class HiCacheConfig:
         extra = self.hicache_storage_backend_extra_config
         if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form
             object.__setattr__(self, "hicache_storage_backend_extra_config", json.dumps(extra))
-        parse_extra(self.hicache_storage_backend_extra_config)  # a bad JSON fails now, not at the first request
+        if "secret" in parse_extra(self.hicache_storage_backend_extra_config):  # a bad JSON fails now too
+            raise ValueError("the L3 secret goes in hicache_storage_secret, not in the extra config (which is shown)")
         if self.disable_hierarchical_cache:  # one source of truth afterwards: enable_hierarchical_cache
             object.__setattr__(self, "enable_hierarchical_cache", False)
 

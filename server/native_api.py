@@ -175,7 +175,9 @@ async def get_model_info(request: Request) -> dict:
 async def get_server_info(request: Request) -> dict:
     tm = tm_of(request)
     server = {k: v for k, v in asdict(request.app.state.config).items() if k != "api_key"}
-    return {**server, **asdict(tm.runtime_config), **asdict(tm.cache_config),
+    cache = asdict(tm.cache_config)
+    cache["hicache_storage_secret"] = "***" if cache.get("hicache_storage_secret") else None  # never shown
+    return {**server, **asdict(tm.runtime_config), **cache,
             "served_model_name": request.app.state.model_names[0], "context_length": tm.info.context_length,
             "max_total_tokens": tm.kv_capacity, "version": request.app.version,
             "scheduler_pid": tm.info.pid, "open_requests": tm.num_open_requests,
