@@ -237,7 +237,7 @@ def test_the_secret_is_taken_from_the_flag_or_the_environment_and_never_shown(ti
 
     tm = SimpleNamespace(runtime_config=RuntimeConfig(model_path=str(tiny_config_path)), cache_config=cc,
                          info=SimpleNamespace(context_length=1, pid=1), kv_capacity=1, num_open_requests=0,
-                         control=control)
+                         control=control, stats=lambda: stats, redact=lambda value: value)  # no help from redact()
     app = SimpleNamespace(state=SimpleNamespace(tm=tm, config=ServerConfig(), model_names=["m"]), version="0")
     info = asyncio.run(get_server_info(SimpleNamespace(app=app)))
     assert info["hicache_storage_secret"] == "***"
