@@ -11,14 +11,23 @@ the stored bytes pass `size_cap_gb`, the writer deletes the least recently used 
 of the cap. A full map (`MapFullError`) makes it evict and retry; if that cannot help, the pages
 are dropped and counted, never raised into the server.
 
+A full disk (`disk.py` says why it cannot SIGBUS the process): a new store needs `min_free_mb`
+free to open (else it is degraded, as below). While serving, a write that would leave less than
+`min_free_mb` free goes into pages the store already holds: the writer first evicts least recently
+used pages of its size, unless LMDB's free pages cover it. A write that fails all the same (ENOSPC,
+EIO: `lmdb.Error`) evicts and retries like a full map; if that cannot help, the pages are dropped
+and writes are blocked: the backend is degraded ("writes fail at <path>: ..."), reads go on, and the
+worker's probe unblocks writes once the disk has room for the failed write plus `min_free_mb` and
+a small write works.
+
 Two engines of one process on the same path share the environment (LMDB allows one per process);
 several processes share it through LMDB's own locking.
 
 A path that cannot be opened (a file where the folder should be, no permission, not an LMDB
-file) does not stop the server: the backend is degraded like a Redis that is down (the reason,
-naming the path and the OS error, is logged once; every operation fails fast, so reads are
-counted misses and writes are dropped), and it retries the open at most once a second (on the
-worker's idle probe or on the next operation), then storage resumes.
+file, a disk too full for a new store) does not stop the server: the backend is degraded like a
+Redis that is down (the reason, naming the path and the OS error, is logged once; every operation
+fails fast, so reads are counted misses and writes are dropped), and it retries the open at most
+once a second (on the worker's idle probe or on the next operation), then storage resumes.
 """
 from __future__ import annotations
 
@@ -34,12 +43,15 @@ import lmdb
 import torch
 
 from hicache.tiers.remote.backend import BackendBase, BackendUnavailable
+from hicache.tiers.remote.disk import MIB, free_bytes, prepare
 
 logger = logging.getLogger(__name__)
 
 GB = 10**9
 LOW_WATERMARK = 0.9  # eviction goes down to this fraction of the cap
 REOPEN_INTERVAL_S = 1.0  # a path that could not be opened is tried again at most this often
+MAX_READERS = 256
+WRITE_ATTEMPTS = 3  # a failed write evicts and retries this many times in all
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # last access ns, value bytes
 _BYTES = b"bytes"
@@ -48,11 +60,14 @@ _BYTES = b"bytes"
 class _Env:
     """One LMDB environment of this process and its writer thread."""
 
-    def __init__(self, path: str, map_size: int, size_cap: int, sync: bool):
+    def __init__(self, path: str, map_size: int, size_cap: int, sync: bool, min_free: int = 0):
         os.makedirs(path, exist_ok=True)
-        self.path, self.size_cap, self.refs = path, size_cap, 0
+        prepare(path, MAX_READERS, min_free)  # before anything is mapped: no SIGBUS on a full disk
+        self.path, self.size_cap, self.min_free, self.refs = path, size_cap, min_free, 0
+        self.full: str | None = None  # why writes are blocked (a disk that eviction could not help)
+        self._full_need = 0  # bytes of the write that failed
         self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=True, sync=sync, metasync=sync,
-                             max_readers=256)
+                             max_readers=MAX_READERS, writemap=False)
         try:
             self.pages = self.env.open_db(b"pages")
             self.atime = self.env.open_db(b"atime")
@@ -61,7 +76,8 @@ class _Env:
         except lmdb.Error:
             self.env.close()
             raise
-        self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0}
+        self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0,
+                         "write_failures": 0, "disk_short": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hicache-lmdb-writer", daemon=True)
         self._thread.start()
@@ -92,19 +108,68 @@ class _Env:
     # ---- jobs (writer thread only) ------------------------------------------------------------
 
     def put(self, items: list[tuple[bytes, bytes]]) -> tuple[int, int]:
-        """Stores the absent keys; returns (pages, bytes) written."""
-        for attempt in range(3):
+        """Stores the absent keys; returns (pages, bytes) written. A write that fails (full map, full
+        or failing disk) evicts and retries; past `WRITE_ATTEMPTS` the pages are dropped and counted,
+        and a disk failure blocks writes (`full`) until `recheck` clears it."""
+        nbytes = sum(len(v) for _, v in items)
+        self._make_room(nbytes)
+        error = None
+        for attempt in range(WRITE_ATTEMPTS):
             try:
                 with self.env.begin(write=True) as txn:
                     return self._put(txn, items)
             except lmdb.MapFullError:
                 self.counters["map_full"] += 1
-                need = sum(len(v) for _, v in items) + self.env.info()["map_size"] // 10
+                need, error = nbytes + self.env.info()["map_size"] // 10, None
                 logger.warning("L3 lmdb map full at %s; evicting %d bytes (attempt %d)", self.path, need, attempt + 1)
-                self._evict_some(need)
+            except lmdb.Error as e:  # ENOSPC (DiskError), EIO (a short write), ...
+                self.counters["write_failures"] += 1
+                need, error = nbytes + self.used_bytes() // 10, e
+                logger.warning("L3 lmdb write failed at %s (%s: %s); evicting %d bytes (attempt %d)", self.path,
+                               type(e).__name__, e, need, attempt + 1)
+            self._evict_some(need)
         self.counters["dropped_pages"] += len(items)
-        logger.warning("L3 lmdb: %d pages dropped, the map stays full after eviction", len(items))
+        if error is None:
+            logger.warning("L3 lmdb: %d pages dropped, the map stays full after eviction", len(items))
+        else:
+            self._block(f"writes fail at {self.path}: {type(error).__name__}: {error}", nbytes)
         return 0, 0
+
+    def _make_room(self, nbytes: int) -> None:
+        """When writing `nbytes` would leave the disk less than `min_free`, the write has to go into
+        pages the store already holds: evicts `nbytes` of least recently used pages first, unless
+        LMDB's free pages already cover them."""
+        if free_bytes(self.path) - nbytes >= self.min_free or self._reusable_bytes() >= 2 * nbytes:
+            return
+        self.counters["disk_short"] += 1
+        self._evict_some(nbytes)
+
+    def _reusable_bytes(self) -> int:
+        """About how many bytes of `data.mdb` hold no page in use (LMDB's free pages)."""
+        psize, last = self.env.stat()["psize"], self.env.info()["last_pgno"]
+        with self.env.begin() as txn:
+            used = sum(_pages_of(txn.stat(db)) for db in (self.pages, self.atime, self.lru, self.meta))
+        return max(last + 1 - 2 - used - _pages_of(self.env.stat()), 0) * psize  # 2: the meta pages
+
+    def _block(self, reason: str, nbytes: int) -> None:
+        if self.full is None:
+            logger.warning("L3 lmdb: %s, even after evicting; reads go on, writes are dropped until %.2f MiB are "
+                           "free (min_free_mb and the failed write) and a write works", reason,
+                           (nbytes + self.min_free) / MIB)
+        self.full, self._full_need = reason, nbytes
+
+    def recheck(self) -> None:
+        """Unblocks writes once the disk has room for the write that failed plus `min_free`, and a
+        small write works (the writer thread runs it, on the worker's probe)."""
+        try:
+            if self.full is None or free_bytes(self.path) < self._full_need + self.min_free:
+                return
+            with self.env.begin(write=True) as txn:
+                txn.put(b"probe", _U64.pack(time.time_ns()), db=self.meta)
+        except (OSError, lmdb.Error):  # the folder gone, the disk still failing: stays blocked
+            return
+        logger.warning("L3 lmdb: writes at %s work again; storage resumes", self.path)
+        self.full = None
 
     def _put(self, txn, items) -> tuple[int, int]:
         now, written, nbytes = time.time_ns(), 0, 0
@@ -151,7 +216,7 @@ class _Env:
                     got = self._evict(txn, step)
                     total = _read_u64(txn.get(_BYTES, db=self.meta))
                     txn.put(_BYTES, _U64.pack(max(total - got, 0)), db=self.meta)
-            except lmdb.MapFullError:
+            except lmdb.Error:  # MapFullError, or a disk that cannot take even this
                 return
             if got == 0:
                 return
@@ -201,16 +266,20 @@ def _read_u64(raw) -> int:
     return 0 if raw is None else _U64.unpack(raw)[0]
 
 
+def _pages_of(stat: dict) -> int:
+    return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+
+
 _ENVS: dict[str, _Env] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _open(path: str, map_size: int, size_cap: int, sync: bool) -> _Env:
+def _open(path: str, map_size: int, size_cap: int, sync: bool, min_free: int) -> _Env:
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         env = _ENVS.get(real)
         if env is None:
-            env = _ENVS[real] = _Env(real, map_size, size_cap, sync)
+            env = _ENVS[real] = _Env(real, map_size, size_cap, sync, min_free)
         env.refs += 1
         return env
 
@@ -231,14 +300,16 @@ class LmdbBackend(BackendBase):
     name = "lmdb"
 
     def __init__(self, namespace: str, path: str, size_cap_gb: float = 16.0, map_size_gb: float | None = None,
-                 sync: bool = False, secret: str | bytes | None = None):
+                 sync: bool = False, secret: str | bytes | None = None, min_free_mb: float = 64.0):
         super().__init__(secret)
         if size_cap_gb <= 0:
             raise ValueError(f"lmdb size_cap_gb must be > 0, got {size_cap_gb}")
+        if min_free_mb < 0:
+            raise ValueError(f"lmdb min_free_mb must be >= 0, got {min_free_mb}")
         cap = int(size_cap_gb * GB)
         map_size = int(map_size_gb * GB) if map_size_gb else int(cap * 1.25) + (64 << 20)  # room for the B-trees
         self._ns = bytes.fromhex(namespace)[:8]
-        self.path, self._cap, self._open_args = str(path), cap, (map_size, cap, sync)
+        self.path, self._cap, self._open_args = str(path), cap, (map_size, cap, sync, int(min_free_mb * MIB))
         self._env: _Env | None = None
         self._opening = threading.Lock()
         self._tried = 0.0  # monotonic time of the last open attempt
@@ -269,10 +340,21 @@ class LmdbBackend(BackendBase):
         return env
 
     def probe(self) -> None:
+        env = self._env
+        if env is not None:
+            if env.full is not None:  # writes blocked on a full disk: unblocked once there is room
+                env.submit(env.recheck).result()
+            return
         try:
             self._ready()
         except BackendUnavailable:
             pass
+
+    def status(self) -> str:
+        env = self._env
+        if env is not None and env.full is not None:
+            return f"degraded: {env.full}"
+        return super().status()
 
     def storage_key(self, key: str) -> bytes:
         return self._ns + bytes.fromhex(key)
@@ -291,12 +373,14 @@ class LmdbBackend(BackendBase):
         with e.env.begin(db=e.pages, buffers=True) as txn:  # buffers point into the map: decode inside
             ok = self.fill(keys, [txn.get(k) for k in raw], pages)
         hits = [k for k, good in zip(raw, ok) if good]
-        if hits:
+        if hits and e.full is None:  # access times are writes too
             e.submit(e.touch, hits)
         return ok
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
         e = self._ready()
+        if e.full is not None:  # a full disk that eviction could not help: drop fast until recheck
+            raise BackendUnavailable(self.status())
         items = [(self.storage_key(k), self.encode(k, p)) for k, p in zip(keys, pages)]
         written, nbytes = e.submit(e.put, items).result()
         self.count(set_pages=written, bytes_written=nbytes)
@@ -314,7 +398,8 @@ class LmdbBackend(BackendBase):
         e = self._env
         if e is None:
             return dict(super().stats(), used_bytes=0, capacity_bytes=self._cap)
-        return dict(super().stats(), used_bytes=e.used_bytes(), capacity_bytes=e.size_cap, **e.counters)
+        return dict(super().stats(), used_bytes=e.used_bytes(), capacity_bytes=e.size_cap, **e.counters,
+                    disk_free_bytes=free_bytes(e.path))
 
     def close(self) -> None:
         with self._opening:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.tiers.base import StorageResult
+from hicache.tiers.remote.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class StorageWorker:
             return self._pending == 0
 
     def status(self) -> str:
-        return self.backend.status()
+        return redact(self.backend.status())
 
     def stats(self) -> dict:
         with self._cv:
@@ -134,11 +135,17 @@ class StorageWorker:
             try:
                 op = q.get(timeout=PROBE_INTERVAL_S if degraded else None)
             except queue.Empty:
-                self.backend.probe()
+                self._probe()
                 continue
             if op is None:
                 return
             self._execute(op)
+
+    def _probe(self) -> None:
+        try:
+            self.backend.probe()
+        except Exception as e:  # a probe that fails leaves the backend degraded; the thread goes on
+            logger.debug("L3 probe failed: %s", self._redact(repr(e)))
 
     def _execute(self, op: _Op) -> None:
         start = time.perf_counter()
@@ -150,15 +157,20 @@ class StorageWorker:
         except Exception as e:  # a backend failure is a miss / a dropped write, never a crash
             # a degraded backend has logged its reason once (set_degraded): no warning per operation
             log = logger.warning if self.backend.status() == "ok" else logger.debug
-            log("L3 %s of %d pages failed: %r", op.kind, len(op.keys), e)
+            error = self._redact(repr(e))  # a URL in it keeps no password
+            log("L3 %s of %d pages failed: %s", op.kind, len(op.keys), error)
             done = self._progress.get(op.ticket, 0) if op.kind == "fetch" else 0
-            res = StorageResult(op.ticket, op.kind, False, done, error=repr(e))
+            res = StorageResult(op.ticket, op.kind, False, done, error=error)
             self._count(errors=1)
         res = res._replace(seconds=time.perf_counter() - start)
         with self._cv:
             self._pending -= 1
             self._done.append(res)
             self._cv.notify_all()
+
+    def _redact(self, text: str) -> str:
+        """The backend's own redaction (it knows its password), else URL passwords only."""
+        return getattr(self.backend, "redact", redact)(text)
 
     def _count(self, **amounts) -> None:
         with self._cv:
