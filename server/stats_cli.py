@@ -11,6 +11,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from hicache.runtime.redact import redact
+
 TIERS = ("device", "host", "storage")
 _SHOWN = {"used_tokens", "capacity_tokens", "cached_tokens", "hit_tokens", "evicted_tokens", "enabled",
           "bytes_per_token", "status", "degraded"}
@@ -25,16 +27,17 @@ def fetch(url: str, api_key: str | None, timeout: float = 5.0) -> dict:
     try:
         r = httpx.get(url.rstrip("/") + "/hicache/stats", headers=headers, timeout=timeout)
     except httpx.HTTPError as e:
-        raise StatsUnavailable(f"no hicache server answers at {url} ({type(e).__name__}: {e}). "
-                               "Start one with `hicache serve`, or point --url at it.") from None
+        raise StatsUnavailable(redact(f"no hicache server answers at {url} ({type(e).__name__}: {e}). "
+                                      "Start one with `hicache serve`, or point --url at it.")) from None
+    shown = redact(url)
     if r.status_code == 401:
-        raise StatsUnavailable(f"the server at {url} rejected the API key: pass --api-key (or set HICACHE_API_KEY).")
+        raise StatsUnavailable(f"the server at {shown} rejected the API key: pass --api-key (or set HICACHE_API_KEY).")
     if r.status_code != 200:
-        raise StatsUnavailable(f"the server at {url} answered HTTP {r.status_code}: {r.text[:200]}")
+        raise StatsUnavailable(redact(f"the server at {shown} answered HTTP {r.status_code}: {r.text[:200]}"))
     try:
         return r.json()
     except ValueError:
-        raise StatsUnavailable(f"the server at {url} did not answer JSON (is it a hicache server?)") from None
+        raise StatsUnavailable(f"the server at {shown} did not answer JSON (is it a hicache server?)") from None
 
 
 def run(url: str, watch: float | None, as_json: bool, api_key: str | None) -> int:
@@ -61,7 +64,7 @@ def run(url: str, watch: float | None, as_json: bool, api_key: str | None) -> in
 
 def _run_json(url: str, watch: float | None, api_key: str | None) -> int:
     while True:
-        print(json.dumps(fetch(url, api_key)), flush=True)
+        print(redact(json.dumps(fetch(url, api_key))), flush=True)
         if not watch:
             return 0
         time.sleep(watch)
@@ -90,7 +93,8 @@ def _summary(stats: dict, url: str) -> Table:
     server = stats.get("server") or {}
     tokens = stats.get("tokens") or {}
     t = Table.grid(padding=(0, 2))
-    t.add_row("[bold]hicache[/bold]", url, f"model {stats.get('model', '?')}", f"up {_duration(stats.get('uptime_s'))}")
+    t.add_row("[bold]hicache[/bold]", redact(url), f"model {stats.get('model', '?')}",
+              f"up {_duration(stats.get('uptime_s'))}")
     t.add_row("requests", f"running {stats.get('running', 0)}", f"queued {stats.get('queued', 0)}",
               f"pages held {stats.get('pages_held', 0)} (page size {stats.get('page_size', '?')})")
     t.add_row("tokens", f"prompt {_num(server.get('prompt_tokens', tokens.get('prompt')))}",
@@ -116,8 +120,8 @@ def _tier_rows(tier: dict, rate: float | None) -> list[tuple[str, str]]:
     used, cap = tier.get("used_tokens", 0), tier.get("capacity_tokens", 0)
     per_token = tier.get("bytes_per_token")
     rows = []
-    if "status" in tier:  # L3: "ok", or "degraded: <why>" while its backend is unreachable
-        status = str(tier["status"])
+    if "status" in tier:  # L3: "ok", or "degraded: <why>" while its backend is unreachable or its disk full
+        status = redact(str(tier["status"]))  # an older server's may carry a URL with its password
         rows.append(("status", status if status == "ok" else f"[bold red]{status}[/bold red]"))
     rows += [("hit rate", "-" if rate is None else f"{100 * rate:.1f}%"),
             ("hit tokens", _num(tier.get("hit_tokens"))),
@@ -153,7 +157,7 @@ def _traffic_rows(tier: dict) -> list[tuple[str, str]]:
 
 def _fmt_value(key: str, v) -> str:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
+        return redact(str(v))
     if key.endswith("bytes"):
         return _bytes(v)
     return _num(v)

@@ -6,6 +6,9 @@ timeouts bound every call; a connection or timeout error marks the backend degra
 misses, writes are dropped, both counted by the I/O worker) and the worker probes it with a PING
 until it answers, then storage resumes. A Redis that is down at start-up is just degraded.
 Capacity and eviction are Redis's own (`maxmemory`, `maxmemory-policy`).
+
+The URL's password never leaves the backend: its status, its description (`describe()`) and the
+messages of the errors it raises show the URL redacted (`redact.py`).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from hicache.tiers.remote.backend import BackendBase
+from hicache.tiers.remote.redact import redact, url_password
 
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
@@ -26,22 +30,35 @@ class RedisBackend(BackendBase):
                  socket_timeout: float = 2.0, connect_timeout: float = 1.0, max_connections: int = 8,
                  secret: str | bytes | None = None):
         super().__init__(secret)
-        self.url = url
+        self.url = url  # with its password: never shown (describe() is)
         self._prefix = f"{key_prefix}:{namespace}:"
-        self._pool = redis.ConnectionPool.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-            max_connections=max_connections, retry=Retry(NoBackoff(), 1), health_check_interval=30)
+        try:
+            self._pool = redis.ConnectionPool.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                max_connections=max_connections, retry=Retry(NoBackoff(), 1), health_check_interval=30)
+        except ValueError as e:
+            raise ValueError(self.redact(f"bad redis url {url}: {e}")) from None
+        password = self._pool.connection_kwargs.get("password")
+        self._credentials = tuple(p for p in (url_password(url), password) if p)
         self._client = redis.Redis(connection_pool=self._pool)
         self.probe()
 
     def storage_key(self, key: str) -> bytes:
         return (self._prefix + key).encode()  # what redis-py sends for the str key
 
+    def redact(self, text: str) -> str:
+        """`text` without this backend's password (in its URL or alone)."""
+        return redact(text, getattr(self, "_credentials", (url_password(self.url) or "",)))
+
+    def describe(self) -> str:
+        return self.redact(self.url)
+
     def _call(self, fn):
         try:
             out = fn()
         except _ERRORS as e:
-            self.set_degraded(f"{self.url}: {type(e).__name__}: {e}")
+            e.args = tuple(self.redact(a) if isinstance(a, str) else a for a in e.args)  # it travels on
+            self.set_degraded(self.redact(f"{self.describe()}: {type(e).__name__}: {e}"))
             raise
         self.set_degraded(None)
         return out
