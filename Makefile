@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lint test serve clean
+.PHONY: setup lint test test-all golden serve clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,14 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the default suite plus the tests marked slow (longer end-to-end runs)
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+
+# HF transformers' reference outputs under tests/golden (see tests/golden/regenerate.py)
+golden: $(STAMP)
+	$(PY) tests/golden/regenerate.py $(GOLDEN)
 
 serve: $(STAMP)
 	$(VENV)/bin/hicache serve $(SERVE_ARGS)

@@ -7,7 +7,7 @@ import pytest
 
 from hicache import Engine
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")

@@ -1,128 +1,148 @@
 """Greedy parity with HF transformers (the oracle) on the default GGUF, fp32, CPU.
 
-16 prompts of 5 to 1,500 tokens (half of them share a 700-token prefix), 64 new tokens each,
-submitted together; the output ids must equal HF's under every engine configuration below.
+The reference is `tests/golden/parity.json`: HF's greedy outputs (64 new tokens) for 16 prompts of
+5 to 1,500 tokens, half of them sharing a 700-token prefix, each decoded alone with its own KV cache
+(`tests/golden/regenerate.py`). Submitted together, the engine's outputs must equal them under
+every configuration below. `test_live_hf_oracle` runs HF itself on two of the prompts, so that a
+golden gone stale fails here rather than passing silently.
+
+The configuration variants run a Profile: 6 of the prompts and 16 new tokens (a prefix of the golden
+outputs: greedy decoding is prefix-consistent); `make test-all` also runs them on 8 prompts of up to
+1,286 tokens with all 64.
 """
 from __future__ import annotations
 
-import inspect
-import json.decoder
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
-import torch
 
-from hicache import Engine
+from engines import assert_outputs_equal, generate_ids, greedy, make_engine
+from golden import load_golden
 
-NEW_TOKENS = 64
-# the HF reference decodes every prompt alone (no padding): minutes on a 2-core CI machine, so a
-# longer limit than the suite's 900 s for its module-scoped fixtures
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+GOLDEN = load_golden("parity")
+CASES = GOLDEN["cases"]
+PROMPTS = [c["prompt"] for c in CASES]
+NEW_TOKENS = GOLDEN["new_tokens"]
+LIVE = (0, 1)  # the 5- and 218-token prompts
+pytestmark = pytest.mark.model
 
 
-def _corpus(tokenizer) -> list[int]:
-    text = "\n\n".join(inspect.getsource(m) for m in (json.decoder, threading))
-    return tokenizer(text[:60_000])["input_ids"]
+class Profile(NamedTuple):
+    """Which golden prompts a variant runs, and how many tokens it decodes."""
+    cases: tuple[int, ...]
+    new_tokens: int
+
+    def prompts(self) -> list[list[int]]:
+        return [PROMPTS[i] for i in self.cases]
+
+    def golden(self) -> list[dict]:
+        return [CASES[i] for i in self.cases]
+
+
+# lengths 5, 218, 432, 645 alone and 705, 795 sharing 700 tokens; `make test-all` adds every other
+# prompt (5 to 1,286 tokens, 4 sharing the prefix) with all 64 tokens
+SHORT = Profile((0, 1, 2, 3, 8, 11), 16)
+FULL = Profile(tuple(range(0, 16, 2)), NEW_TOKENS)
+PROFILES = [pytest.param(SHORT, id="short"), pytest.param(FULL, id="full", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
-def prompts(hf_reference) -> list[list[int]]:
-    corpus = _corpus(hf_reference.tokenizer)
-    assert len(corpus) > 3000
-    lengths = torch.linspace(5, 1500, 8).long().tolist()
-    solo = [corpus[97 * i: 97 * i + n] for i, n in enumerate(lengths)]
-    shared = corpus[1500:2200]
-    tails = [corpus[2200 + 40 * i: 2200 + 40 * i + 5 + 30 * i] for i in range(8)]
-    return solo + [shared + t for t in tails]
+def default_engine(default_model_path):
+    """The default configuration with room for all 16 prompts at once (shared: it runs the
+    16-prompt batch, then the cache-hit rounds over what that batch cached)."""
+    with make_engine(default_model_path, max_total_tokens=40_000) as engine:
+        yield engine
 
 
-@pytest.fixture(scope="module")
-def hf_outputs(hf_reference, prompts) -> list[list[int]]:
-    """HF greedy decoding, one prompt at a time with its own KV cache (no padding involved)."""
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            res = hf_reference.model(torch.tensor([ids]), use_cache=True)
-            past, got = res.past_key_values, []
-            for _ in range(NEW_TOKENS):
-                nxt = int(res.logits[0, -1].argmax())
-                got.append(nxt)
-                res = hf_reference.model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-                past = res.past_key_values
-            outs.append(got)
-    return outs
+def test_sixteen_prompts_together_match_hf(default_engine):
+    assert_outputs_equal(generate_ids(default_engine, PROMPTS, NEW_TOKENS), CASES, NEW_TOKENS)
+    default_engine.check_integrity()
 
 
-GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+def test_live_hf_oracle(hf_reference, default_engine):
+    """HF transformers, run now, still gives the golden outputs, and so does the engine."""
+    from golden.regenerate import greedy as hf_greedy
+
+    cases = [CASES[i] for i in LIVE]
+    live = [hf_greedy(hf_reference.model, c["prompt"], NEW_TOKENS)[0] for c in cases]
+    assert live == [c["output"] for c in cases], "HF disagrees with tests/golden/parity.json: run `make golden`"
+    assert generate_ids(default_engine, [c["prompt"] for c in cases], NEW_TOKENS) == live
 
 
-def _run(engine: Engine, prompts) -> list[list[int]]:
-    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+def assert_second_round_hits(engine, profile: Profile, page: int) -> None:
+    """The profile's prompts again: the same outputs, each served from cache but its last token."""
+    second = engine.generate(input_ids=profile.prompts(), sampling_params=greedy(profile.new_tokens))
+    assert_outputs_equal([o["output_ids"] for o in second], profile.golden(), profile.new_tokens)
+    for ids, o in zip(profile.prompts(), second):
+        assert o["meta_info"]["cached_tokens"] == (len(ids) - 1) // page * page
+    engine.check_integrity()
 
 
-def _assert_same(got, want):
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
+def assert_profile_matches(engine, profile: Profile) -> None:
+    got = generate_ids(engine, profile.prompts(), profile.new_tokens)
+    assert_outputs_equal(got, profile.golden(), profile.new_tokens)
 
 
-def test_sixteen_prompts_together_match_hf(default_model_path, prompts, hf_outputs):
-    with Engine(str(default_model_path), max_total_tokens=40_000) as engine:
-        _assert_same(_run(engine, prompts), hf_outputs)
-        engine.check_integrity()
+@pytest.mark.parametrize("profile", PROFILES)
+def test_radix_hits_match_hf(default_engine, profile):
+    """After the 16-prompt batch (or a first round here when run alone), twice from cache."""
+    assert_profile_matches(default_engine, profile)
+    assert_second_round_hits(default_engine, profile, page=1)
 
 
-# The variants below run every other prompt (8 prompts, 5 to ~1,300 tokens, 4 sharing a prefix)
-# to keep CI time in bounds on a 2-core machine.
-SUBSET = slice(0, None, 2)
-
-
+@pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("options", [
-    pytest.param({}, id="radix-hits"),
     pytest.param({"chunked_prefill_size": 64}, id="chunked-64"),
     pytest.param({"page_size": 16}, id="page-16"),
     pytest.param({"page_size": 1, "radix_eviction_policy": "lfu"}, id="page-1-lfu"),
     pytest.param({"schedule_policy": "lpm", "max_prefill_tokens": 2048}, id="lpm"),
 ])
-def test_batch_matches_hf_and_cache_hits_too(default_model_path, prompts, hf_outputs, options):
-    prompts, hf_outputs = prompts[SUBSET], hf_outputs[SUBSET]
-    with Engine(str(default_model_path), max_total_tokens=40_000, **options) as engine:
-        _assert_same(_run(engine, prompts), hf_outputs)
-        second = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        _assert_same([o["output_ids"] for o in second], hf_outputs)
-        page = options.get("page_size", 1)
-        for ids, o in zip(prompts, second):  # every prompt is now cached but its last token
-            assert o["meta_info"]["cached_tokens"] == (len(ids) - 1) // page * page
-        engine.check_integrity()
+def test_batch_matches_hf_and_cache_hits_too(default_model_path, options, profile):
+    with make_engine(default_model_path, max_total_tokens=40_000, **options) as engine:
+        assert_profile_matches(engine, profile)
+        assert_second_round_hits(engine, profile, options.get("page_size", 1))
 
 
-def test_small_pool_retracts_and_recomputes(default_model_path, prompts, hf_outputs):
-    prompts, hf_outputs = prompts[SUBSET], hf_outputs[SUBSET]
-    biggest = max(len(p) for p in prompts) + NEW_TOKENS
-    with Engine(str(default_model_path), max_total_tokens=biggest + 160, page_size=16) as engine:
-        _assert_same(_run(engine, prompts), hf_outputs)
+def retraction_pool(prompts: list[list[int]], page: int, running: int = 4) -> int:
+    """L1 tokens that admit the first `running` prompts with the one page each of headroom the
+    scheduler keeps for their decode, and one page more: decoding past a page's worth of tokens,
+    they outgrow it and the latest arrival is retracted."""
+    pages = sum(-(-len(p) // page) for p in prompts[:running])
+    return (pages + running + 1) * page
+
+
+# decoding must outgrow the headroom: more than one page (16) of new tokens
+@pytest.mark.parametrize("profile", [pytest.param(SHORT._replace(new_tokens=32), id="short"), PROFILES[1]])
+def test_small_pool_retracts_and_recomputes(default_model_path, profile):
+    pool = retraction_pool(profile.prompts(), page=16)
+    with make_engine(default_model_path, max_total_tokens=pool, page_size=16) as engine:
+        assert_profile_matches(engine, profile)
         stats = engine.get_stats()
         assert stats["retractions"] > 0, stats
         assert stats["tiers"]["device"]["evicted_tokens"] > 0
         engine.check_integrity()
 
 
-def test_disabled_radix_cache_matches(default_model_path, prompts, hf_outputs):
-    prompts, hf_outputs = prompts[SUBSET], hf_outputs[SUBSET]
-    with Engine(str(default_model_path), max_total_tokens=40_000, disable_radix_cache=True) as engine:
-        _assert_same(_run(engine, prompts), hf_outputs)
-        again = engine.generate(input_ids=prompts[:2], sampling_params=GREEDY)
+@pytest.mark.parametrize("profile", PROFILES)
+def test_disabled_radix_cache_matches(default_model_path, profile):
+    with make_engine(default_model_path, max_total_tokens=40_000, disable_radix_cache=True) as engine:
+        assert_profile_matches(engine, profile)
+        again = engine.generate(input_ids=profile.prompts()[:2], sampling_params=greedy(profile.new_tokens))
         assert all(o["meta_info"]["cached_tokens"] == 0 for o in again)
         engine.check_integrity()
 
 
-def test_arrivals_while_others_decode(default_model_path, prompts, hf_outputs):
-    prompts, hf_outputs = prompts[SUBSET], hf_outputs[SUBSET]
-    with Engine(str(default_model_path), max_total_tokens=40_000, chunked_prefill_size=256) as engine:
+@pytest.mark.parametrize("profile", PROFILES)
+def test_arrivals_while_others_decode(default_model_path, profile):
+    prompts = profile.prompts()
+    with make_engine(default_model_path, max_total_tokens=40_000, chunked_prefill_size=256) as engine:
         results: dict[int, list[int]] = {}
 
         def one(i):
-            results[i] = engine.generate(input_ids=prompts[i], sampling_params=GREEDY)["output_ids"]
+            params = greedy(profile.new_tokens)
+            results[i] = engine.generate(input_ids=prompts[i], sampling_params=params)["output_ids"]
 
         threads = []
         for i in range(len(prompts)):
@@ -131,5 +151,5 @@ def test_arrivals_while_others_decode(default_model_path, prompts, hf_outputs):
             time.sleep(0.15)  # later prompts arrive while earlier ones are decoding
         for t in threads:
             t.join()
-        _assert_same([results[i] for i in range(len(prompts))], hf_outputs)
+        assert_outputs_equal([results[i] for i in range(len(prompts))], profile.golden(), profile.new_tokens)
         engine.check_integrity()

@@ -415,7 +415,7 @@ def l2_engine(path, **options) -> Engine:
     return Engine(str(path), max_total_tokens=L1_TOKENS, hicache_ratio=10.0, **options)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_multi_turn_twenty_conversations_served_from_host(default_model_path, workload, uncached, hf_reference):
     convs = range(CONVERSATIONS)
     with l2_engine(default_model_path) as engine:
@@ -448,7 +448,7 @@ def assert_matches_hf(model, w: Workload, run: Run, convs) -> None:
 VARIANT_CONVS = range(10)  # more than L1 holds at turn 3, so every history comes from L2
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("options", [
     pytest.param({"hicache_write_policy": "write_through_selective", "hicache_mem_layout": "page_first"},
                  id="selective-page_first"),

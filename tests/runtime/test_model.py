@@ -33,7 +33,7 @@ def _prompts(tokenizer) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_matches_hf_on_default_gguf(default_model, hf_reference, prompt_logits):
     model = default_model.model
     worst = 0.0
@@ -54,7 +54,7 @@ def test_matches_hf_on_default_gguf(default_model, hf_reference, prompt_logits):
     print(f"worst max |logit diff| over all prompts: {worst:.3g}")
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_incremental_decode_matches_whole_prompt(default_model, hf_reference, prompt_logits, simple_batch):
     model = default_model.model
     ids = hf_reference.tokenizer(PARAGRAPH)["input_ids"][:40]
@@ -68,7 +68,7 @@ def test_incremental_decode_matches_whole_prompt(default_model, hf_reference, pr
     assert torch.equal(inc.argmax(-1), whole.argmax(-1))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_bf16_close_to_fp32(default_model, hf_reference, prompt_logits):
     from hicache.runtime.weights import load_model
 

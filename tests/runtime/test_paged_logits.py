@@ -12,7 +12,7 @@ from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.batch import ForwardBatch
 from hicache.tiers.gpu.pool import DeviceKVPool
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 def _forward(model, pool, ids, slots, start):

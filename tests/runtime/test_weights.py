@@ -39,7 +39,7 @@ def smollm2_folder(hf_reference, tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_safetensors_round_trip(smollm2_folder, default_model, prompt_logits):
     assert detect_format(smollm2_folder) == "safetensors"
     t0 = time.perf_counter()
@@ -52,7 +52,7 @@ def test_safetensors_round_trip(smollm2_folder, default_model, prompt_logits):
     assert torch.equal(ours, ref)  # same fp32 weights, same code: bit-identical
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_gguf_tokenizer_and_chat_template(default_model, hf_reference):
     tok = default_model.tokenizer
     for text in ["Hello world", "def f(x):\n    return x ** 2\n", "Ünïcödé 日本語 🙂"]:
@@ -138,7 +138,7 @@ def test_missing_tensor_is_an_error(tmp_path, tiny_config_path):
         load_model(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_gguf_header_reader_matches_gguf_package(default_model_path):
     """Our fast header parser agrees with gguf.GGUFReader on every field and tensor layout."""
     import numpy as np

@@ -123,7 +123,7 @@ def check_latencies(result: dict) -> None:
     assert result["request_throughput"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_multiturn_native(small_l1_server, tmp_path):
     log = tmp_path / "mt.jsonl"
     result = run_bench("multiturn.py", small_l1_server.url, log, "--num-clients", str(CLIENTS), "--num-rounds",
@@ -151,7 +151,7 @@ def test_multiturn_native(small_l1_server, tmp_path):
     assert len(log.read_text().splitlines()) == 2 and again["requests"] == 4  # appended, not overwritten
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_multiturn_openai(small_l1_server, tmp_path):
     result = run_bench("multiturn.py", small_l1_server.url, tmp_path / "oa.jsonl", "--api", "openai",
                        "--num-clients", "2", "--num-rounds", "2", "--request-length", "24", "--distribution",
@@ -164,7 +164,7 @@ def test_multiturn_openai(small_l1_server, tmp_path):
     check_latencies(result)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
     result = run_bench("long_context.py", small_l1_server.url, tmp_path / "lc.jsonl", "--num-docs", "2",
                        "--doc-length", "64", "96", "--questions-per-doc", "3", "--question-length", "8",

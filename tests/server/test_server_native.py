@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_SYSTEM = ("You are a meticulous assistant for a travel company. " * 4 + "Rules: " +

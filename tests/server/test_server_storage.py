@@ -19,7 +19,7 @@ import pytest
 from hicache.server import stats_cli
 from server_harness import LIGHT_FLAGS, start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 TURNS = ["Here is a long note about caches. " * 12 + "Summarise it in one line.",
          "Now list three kinds of cache, one word each. " * 4,

@@ -1,0 +1,28 @@
+"""Golden reference outputs of HF transformers on the default GGUF (see `regenerate.py`)."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@lru_cache(maxsize=None)
+def load_golden(name: str) -> dict:
+    """The parsed `tests/golden/<name>.json`; refuses one made on other weights than the default GGUF."""
+    from hicache.runtime.default_model import FILE_NAME, FILE_SHA256
+
+    data = json.loads((HERE / f"{name}.json").read_text())
+    if data["model"] != {"file": FILE_NAME, "sha256": FILE_SHA256}:
+        raise AssertionError(f"tests/golden/{name}.json was made on {data['model']}, not the default "
+                             f"model {FILE_NAME}: run `make golden`")
+    return data
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """Index of the first token where got and want differ (a length difference counts), None if equal."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))

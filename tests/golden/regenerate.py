@@ -1,0 +1,152 @@
+"""Regenerates the golden reference outputs: HF transformers' greedy tokens on the default GGUF.
+
+The oracle of the end-to-end tests is HF transformers running the same weights (SmolLM2-135M-Instruct
+Q4_1, the GGUF the tests fetch into `$HICACHE_HOME/models`), fp32 on CPU. Decoding with it takes
+minutes on a small CPU, so its outputs are checked in here and the tests compare the engine with
+them; one test (`tests/runtime/test_engine_parity.py::test_live_hf_oracle`) still runs HF live on
+a few of the prompts, so that goldens gone stale (a new transformers, other weights) fail the suite.
+
+Each golden file is JSON:
+
+- `model`: the GGUF's file name and sha256 (the tests refuse goldens made on other weights);
+- `generator`: the transformers and torch versions that produced it (for the record);
+- `new_tokens` and `cases`: per case the prompt token ids, HF's greedy output ids and, per output
+  token, `margins`: HF's top-1 minus top-2 logit there (a near tie, where another fp32 computation
+  may rightly pick the other token, shows as a tiny margin in a failure message).
+
+Files:
+
+- `parity.json`: 16 prompts of 5 to 1,500 tokens from the stdlib's `json.decoder` and `threading`
+  sources (half of them share a 700-token prefix), 64 new tokens each, every prompt decoded alone
+  with its own KV cache (no padding involved).
+- `multiturn.json`: a 48-token system prompt and 20 conversations of 6 user turns (64 tokens each,
+  `json.decoder`, `threading` and `inspect` sources), each turn answered with 8 greedy tokens and
+  the answer kept in the history of the next turn; `cases[c]["turns"][t]` is turn t's user tokens,
+  `cases[c]["answers"][t]` HF's answer.
+
+Prompts are stored as token ids, so the tests need neither the tokenizer nor the stdlib sources of
+the Python that made them. Run `make golden` (or `.venv/bin/python tests/golden/regenerate.py
+[names...]`) after changing the prompt sets here, the default model, or when the live oracle test
+reports HF disagreeing with a golden; review the diff (`git diff --stat tests/golden`) and commit.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import json.decoder
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+PARITY_NEW = 64
+SYSTEM, TURN, ANSWER, CONVERSATIONS, TURNS = 48, 64, 8, 20, 6
+
+
+def load_hf():
+    """(model, tokenizer) from HF transformers on the default GGUF, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hicache.runtime.default_model import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), tok
+
+
+def greedy(model, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+    """HF greedy decoding of one prompt with its own KV cache: (output ids, top-1 minus top-2 logit per token)."""
+    out, margins = [], []
+    with torch.inference_mode():
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(new):
+            top = res.logits[0, -1].float().topk(2)
+            out.append(int(top.indices[0]))
+            margins.append(round(float(top.values[0] - top.values[1]), 5))
+            res = model(torch.tensor([[out[-1]]]), past_key_values=res.past_key_values, use_cache=True)
+    return out, margins
+
+
+def source_tokens(tok, modules, limit: int | None = None) -> list[int]:
+    text = "\n\n".join(inspect.getsource(m) for m in modules)
+    return tok(text[:limit] if limit else text)["input_ids"]
+
+
+def parity_prompts(tok) -> list[list[int]]:
+    """8 prompts of 5 to 1,500 tokens, then 8 sharing a 700-token prefix with tails of 5 to 215."""
+    corpus = source_tokens(tok, (json.decoder, threading), 60_000)
+    assert len(corpus) > 3000
+    lengths = torch.linspace(5, 1500, 8).long().tolist()
+    solo = [corpus[97 * i: 97 * i + n] for i, n in enumerate(lengths)]
+    shared = corpus[1500:2200]
+    tails = [corpus[2200 + 40 * i: 2200 + 40 * i + 5 + 30 * i] for i in range(8)]
+    return solo + [shared + t for t in tails]
+
+
+def make_parity(model, tok) -> dict:
+    cases = []
+    for ids in parity_prompts(tok):
+        out, margins = greedy(model, ids, PARITY_NEW)
+        cases.append({"prompt": ids, "output": out, "margins": margins})
+    return {"new_tokens": PARITY_NEW, "cases": cases}
+
+
+def make_multiturn(model, tok) -> dict:
+    corpus = source_tokens(tok, (json.decoder, threading, inspect))
+    need = SYSTEM + CONVERSATIONS * TURNS * TURN
+    assert len(corpus) >= need
+    system, starts = corpus[:SYSTEM], iter(range(SYSTEM, need, TURN))
+    cases = []
+    for _ in range(CONVERSATIONS):
+        turns = [corpus[next(starts):][:TURN] for _ in range(TURNS)]
+        history, answers, margins = list(system), [], []
+        for user in turns:
+            history += user
+            out, m = greedy(model, history, ANSWER)
+            answers.append(out)
+            margins.append(m)
+            history += out
+        cases.append({"turns": turns, "answers": answers, "margins": margins})
+    return {"system": system, "new_tokens": ANSWER, "cases": cases}
+
+
+SETS: dict[str, Callable] = {"parity": make_parity, "multiturn": make_multiturn}
+
+
+def header() -> dict:
+    import transformers
+
+    from hicache.runtime.default_model import FILE_NAME, FILE_SHA256
+
+    return {"model": {"file": FILE_NAME, "sha256": FILE_SHA256},
+            "generator": {"transformers": transformers.__version__, "torch": torch.__version__}}
+
+
+def write(name: str, content: dict) -> Path:
+    """One case per line: diffs stay readable and the file stays small."""
+    path = HERE / f"{name}.json"
+    body = {**header(), **{k: v for k, v in content.items() if k != "cases"}}
+    lines = [json.dumps(body)[:-1] + ', "cases": [']
+    lines += [json.dumps(c, separators=(",", ":")) + ("," if i < len(content["cases"]) - 1 else "")
+              for i, c in enumerate(content["cases"])]
+    path.write_text("\n".join(lines) + "\n]}\n")
+    json.loads(path.read_text())  # what was written parses
+    return path
+
+
+def main(names: list[str]) -> None:
+    unknown = set(names) - set(SETS)
+    if unknown:
+        raise SystemExit(f"unknown golden set(s) {sorted(unknown)}; known: {sorted(SETS)}")
+    torch.manual_seed(0)
+    model, tok = load_hf()
+    for name in names or SETS:
+        print(f"{name}: {write(name, SETS[name](model, tok))}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
