@@ -36,6 +36,8 @@ from hicache.tree import RadixTree, TreeNode, nodes_covering
 logger = logging.getLogger(__name__)
 
 HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang's capacity limit)
+# the backend's own health counters shown with the status (LMDB: a full map or disk)
+BACKEND_HEALTH = ("map_full", "write_failures", "disk_short", "dropped_pages", "disk_free_bytes")
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,7 @@ class StorageController:
                "prefetching": len(self._by_rid), "backups_in_flight": len(self._backups),
                "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0),
                "stale_pages": engine.get("stale_pages", 0)}
+        out.update({k: engine[k] for k in BACKEND_HEALTH if k in engine})  # why it may be degraded
         out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
                   "backup_dropped_tokens", "prefetch_seconds", "backup_seconds"):
