@@ -15,6 +15,7 @@ class ServerConfig:
     startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
+    restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

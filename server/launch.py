@@ -3,7 +3,12 @@
 Shutdown order: uvicorn stops accepting, gives in-flight requests `graceful_shutdown_timeout`
 seconds, then cancels them (their streams end and their requests are aborted); then the
 scheduler process is asked to exit, and terminated / killed if it does not. A SIGTERM while the
-model is still loading cancels the startup and stops the child as well.
+model is still loading cancels the startup and stops the child as well. Either way the scheduler
+sockets' directory is removed.
+
+If the scheduler process dies while serving, its in-flight requests fail (503), then the server
+shuts down the same way and exits with EXIT_SCHEDULER_DIED, for its supervisor to restart it;
+with `--restart-scheduler` the tokenizer manager starts a new scheduler process instead.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from hicache.server.scheduler_process import DEFAULT_FACTORY
 from hicache.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("hicache.server")
+EXIT_SCHEDULER_DIED = 3
 
 
 def run(server_config: ServerConfig, runtime_config, cache_config, factory: str = DEFAULT_FACTORY) -> int:
@@ -32,7 +38,8 @@ def run(server_config: ServerConfig, runtime_config, cache_config, factory: str 
 
 
 async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str) -> int:
-    tm = TokenizerManager(runtime_config, cache_config, factory=factory, warm_up=not server_config.skip_server_warmup)
+    tm = TokenizerManager(runtime_config, cache_config, factory=factory, warm_up=not server_config.skip_server_warmup,
+                          restart_scheduler=server_config.restart_scheduler)
     _cancel_on_signals(asyncio.current_task())
     try:
         print(f"hicache: loading {runtime_config.model_path or 'the default model (SmolLM2-135M-Instruct)'} ...",
@@ -43,9 +50,15 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
             create_app(tm, server_config), host=server_config.host, port=server_config.port,
             log_level=server_config.log_level, timeout_graceful_shutdown=server_config.graceful_shutdown_timeout,
             access_log=server_config.log_level == "debug"))
+        tm.on_fatal = lambda _reason: setattr(server, "should_exit", True)
+        server.should_exit = tm.fatal_reason is not None
         announce = asyncio.create_task(_announce(server, server_config, tm))
         await server.serve()
         announce.cancel()
+        if tm.fatal_reason is not None:
+            print(f"hicache: {tm.fatal_reason}; exiting with code {EXIT_SCHEDULER_DIED} for the supervisor to "
+                  "restart the server (or serve with --restart-scheduler)", file=sys.stderr, flush=True)
+            return EXIT_SCHEDULER_DIED
         return 0 if server.started else 1
     except asyncio.CancelledError:
         print("hicache: interrupted during startup", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Prometheus metrics (prefix `hicache_`), on a registry of our own.
 
 Per-request figures (tokens, cached tokens by tier, TTFT / ITL / E2E) are observed in the HTTP
-process as requests finish. Scheduler-side figures (tier occupancy, evictions, queue lengths)
-come from the scheduler's `stats()` snapshot, fetched on each scrape and exposed by
-`SchedulerCollector`.
+process as requests finish, as are its IPC counters (refused handshakes, dropped frames) and
+scheduler restarts. Scheduler-side figures (tier occupancy, evictions, queue lengths) come from the
+latest statistics snapshot the scheduler process published, exposed by `SchedulerCollector`.
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
 
 
 def _scheduler_counters(s: dict):
-    for key in ("retractions", "requests_finished", "requests_aborted"):
+    if isinstance(s.get("stats_age_s"), (int, float)):
+        yield _gauge("hicache_stats_age_seconds", "Age of the scheduler's statistics snapshot.", s["stats_age_s"])
+    for key in ("retractions", "requests_finished", "requests_aborted", "ipc_dropped_frames"):
         if isinstance(s.get(key), (int, float)):
             yield CounterMetricFamily(f"hicache_scheduler_{key}", f"Scheduler counter {key}.", value=float(s[key]))
 
@@ -82,6 +84,13 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)  # a series that never moved still reads 0
+        self.ipc_rejected_handshakes = Counter(
+            "hicache_ipc_rejected_handshakes", "Connections to the scheduler sockets refused (no valid CURVE key).",
+            registry=r)
+        self.ipc_dropped_frames = Counter("hicache_ipc_dropped_frames",
+                                          "Frames from the scheduler dropped as malformed.", registry=r)
+        self.scheduler_restarts = Counter("hicache_scheduler_restarts", "Scheduler processes restarted after dying.",
+                                          registry=r)
         self.scheduler = SchedulerCollector()
         r.register(self.scheduler)
         self._totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0,

@@ -1,10 +1,16 @@
 """The scheduler process: owns the model and the KV tiers, runs `Scheduler.step()` in a loop.
 
 Started by the HTTP process with multiprocessing's spawn method (a fresh interpreter: no
-inherited CUDA or thread state). It connects to the two ipc endpoints the HTTP process bound,
-pulls `GenerateRequest` / `AbortRequest` / `ControlRequest` and pushes `TokenOutput` batches and
-`ControlReply`s, all msgpack (see `ipc.py`). With no work it blocks in `poll` (waking once a
-second to notice a dead parent), so an idle server burns no CPU.
+inherited CUDA or thread state). It connects to the two ipc endpoints the HTTP process bound
+(CURVE client, with the keys it was spawned with), pulls `GenerateRequest` / `AbortRequest` /
+`ControlRequest` and pushes `TokenOutput` batches and `ControlReply`s, all msgpack (see `ipc.py`);
+a frame that does not decode to well-formed messages is logged, counted and dropped.
+
+Statistics are pushed, not asked for: a `StatsSnapshot` goes out every STATS_INTERVAL_S, and with
+every output frame in which a request finished (so that a client that got its answer sees it
+counted), so the HTTP process answers /hicache/stats and /metrics at once, however long a step takes.
+With no work it blocks in `poll` between snapshots (noticing a dead parent there too), so an idle
+server burns next to no CPU. If the HTTP process was killed, it removes the socket directory.
 """
 from __future__ import annotations
 
@@ -27,7 +33,10 @@ from hicache.server.ipc import (
     ControlRequest,
     IpcPaths,
     SchedulerFailed,
+    SchedulerKeys,
     SchedulerReady,
+    StatsSnapshot,
+    curve_client,
     pack,
     unpack,
 )
@@ -35,31 +44,33 @@ from hicache.server.ipc import (
 logger = logging.getLogger("hicache.scheduler")
 
 DEFAULT_FACTORY = "hicache.runtime.build:build_scheduler"
-IDLE_POLL_MS = 1000
+STATS_INTERVAL_S = 0.5
 
 
-def start(paths: IpcPaths, runtime_config, cache_config, factory: str = DEFAULT_FACTORY, warm_up: bool = True):
-    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). With
-    `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
+def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
+          warm_up: bool = True):
+    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). `keys`
+    reach it as spawn arguments (through the pipe multiprocessing feeds the child, never a file or
+    the environment). With `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=main,
         name="hicache-scheduler",
-        args=(paths, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up),
+        args=(paths, keys, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up),
         daemon=True,
     )
     proc.start()
     return proc
 
 
-def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str, parent_pid: int,
-         warm_up: bool = True) -> None:
+def main(paths: IpcPaths, keys: SchedulerKeys, runtime_kwargs: dict, cache_kwargs: dict, factory: str,
+         parent_pid: int, warm_up: bool = True) -> None:
     """Process entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     _set_cpu_threads()
     ctx = zmq.Context()
-    inbox, outbox = _connect(ctx, paths)
+    inbox, outbox = _connect(ctx, paths, keys)
     try:
         sched = _build(factory, runtime_kwargs, cache_kwargs)
         if warm_up:
@@ -67,8 +78,9 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
             sched.warm_up()
             logger.info("warm-up request done in %.1f s", time.perf_counter() - t0)
         _freeze_heap()
-        outbox.send(pack([_ready(sched)]))
-        SchedulerLoop(sched, inbox, outbox, parent_pid).run()
+        loop = SchedulerLoop(sched, inbox, outbox, parent_pid)
+        outbox.send(pack([_ready(sched), loop.snapshot()]))
+        loop.run()
         sched.close()
     except Exception as e:  # report, then die: the HTTP process turns this into 503s
         traceback.print_exc()
@@ -80,6 +92,8 @@ def main(paths: IpcPaths, runtime_kwargs: dict, cache_kwargs: dict, factory: str
         inbox.close(0)
         outbox.close(linger=1000)
         ctx.term()
+        if os.getppid() != parent_pid:  # the HTTP process was killed: nobody else removes the sockets
+            paths.cleanup()
 
 
 def _freeze_heap() -> None:
@@ -104,10 +118,12 @@ def _set_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
 
 
-def _connect(ctx: zmq.Context, paths: IpcPaths) -> tuple[zmq.Socket, zmq.Socket]:
+def _connect(ctx: zmq.Context, paths: IpcPaths, keys: SchedulerKeys) -> tuple[zmq.Socket, zmq.Socket]:
     inbox = ctx.socket(zmq.PULL)
+    curve_client(inbox, keys)
     inbox.connect(paths.to_scheduler)
     outbox = ctx.socket(zmq.PUSH)
+    curve_client(outbox, keys)
     outbox.connect(paths.from_scheduler)
     return inbox, outbox
 
@@ -133,7 +149,7 @@ def _ready(sched) -> SchedulerReady:
 
 
 class SchedulerLoop:
-    """Receive, step, send, until told to shut down or the parent disappears."""
+    """Receive, step, send, publish statistics, until told to shut down or the parent disappears."""
 
     def __init__(self, sched, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.sched = sched
@@ -144,15 +160,39 @@ class SchedulerLoop:
         self.poller.register(inbox, zmq.POLLIN)
         self.running = True
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (rejections)
+        self.dropped_frames = 0
+        self.last_snapshot = 0.0
+        self._stats_failed = False
 
     def run(self) -> None:
         while self.running:
             busy = self.sched.has_work() or bool(self.pending)
-            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+            if self.poller.poll(0 if busy else self._until_snapshot_ms()):
                 self._drain()
             if not self.running or os.getppid() != self.parent_pid:
                 break
             self._step()
+            if time.monotonic() - self.last_snapshot >= STATS_INTERVAL_S:
+                self._send([self.snapshot()])
+
+    def _until_snapshot_ms(self) -> int:
+        return max(0, int((self.last_snapshot + STATS_INTERVAL_S - time.monotonic()) * 1000) + 1)
+
+    def snapshot(self) -> StatsSnapshot:
+        """The scheduler's statistics now (a failing `stats()` is logged once and sends what it can)."""
+        self.last_snapshot = time.monotonic()
+        try:
+            data = dict(self.sched.stats())
+        except Exception:
+            if not self._stats_failed:
+                logger.exception("Scheduler.stats() failed; publishing empty statistics")
+            self._stats_failed = True
+            data = {}
+        data["ipc_dropped_frames"] = self.dropped_frames
+        return StatsSnapshot(data=data, taken=self.last_snapshot)
+
+    def _send(self, msgs: list) -> None:
+        self.outbox.send(pack(msgs))
 
     def _step(self) -> None:
         outs = self.pending
@@ -160,7 +200,8 @@ class SchedulerLoop:
         if self.sched.has_work():
             outs = outs + list(self.sched.step())
         if outs:
-            self.outbox.send(pack(outs))
+            finished = any(o.finish_reason is not None for o in outs)
+            self._send(outs + [self.snapshot()] if finished else outs)
 
     def _drain(self) -> None:
         while True:
@@ -170,8 +211,9 @@ class SchedulerLoop:
                 return
             try:
                 msgs = unpack(frame)
-            except (ValueError, TypeError) as e:
-                logger.error("dropping a malformed frame: %s", e)
+            except ValueError as e:
+                self.dropped_frames += 1
+                logger.error("dropped a malformed frame from the HTTP process (%d so far): %s", self.dropped_frames, e)
                 continue
             for msg in msgs:
                 self._handle(msg)
@@ -182,7 +224,8 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             self.sched.abort(msg.rid)
         elif isinstance(msg, ControlRequest):
-            self.outbox.send(pack([self._control(msg)]))
+            reply = self._control(msg)
+            self._send([reply, self.snapshot()] if msg.kind == "flush_cache" else [reply])
         else:
             logger.error("unexpected message %s", type(msg).__name__)
 

@@ -3,8 +3,17 @@
 `TokenizerManager` starts the scheduler process, sends it `GenerateRequest`s over ZMQ and fans
 the `TokenOutput`s that come back out to one asyncio queue per request; `generate()` turns a
 request's outputs into `Chunk`s with incrementally detokenized text. A generator that is closed
-before its request finished (client gone) aborts the request, which frees its pages. If the
-scheduler process dies, every open stream ends with a 503 error and new requests are refused.
+before its request finished (client gone) aborts the request, which frees its pages; its rid stays
+taken until the scheduler confirms the abort. A rid already in flight is refused (400).
+
+The sockets are bound in a private directory behind CURVE (`ipc.PeerGuard`); frames that fail to
+decode are counted and dropped, the receive loop never stops for one. Statistics are the latest
+`StatsSnapshot` the scheduler published (`stats()`), no round trip.
+
+If the scheduler process dies, every open stream ends with a 503 error at once (its exit is watched
+through the process sentinel), then: with `restart_scheduler` a new scheduler process is started
+(requests get 503 until it is ready); without it `on_fatal` is called, and the server exits non-zero
+so that its supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -13,7 +22,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -26,13 +35,16 @@ from hicache.server.ipc import (
     ControlReply,
     ControlRequest,
     IpcPaths,
+    PeerGuard,
     SchedulerFailed,
     SchedulerReady,
+    StatsSnapshot,
     pack,
     unpack,
 )
 from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer
 from hicache.server.metrics import ServerMetrics
+from hicache.server.protocol import APIError
 
 logger = logging.getLogger("hicache.server")
 
@@ -65,42 +77,67 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, runtime_config, cache_config, metrics: ServerMetrics | None = None,
-                 factory: str = scheduler_process.DEFAULT_FACTORY, warm_up: bool = True) -> None:
+                 factory: str = scheduler_process.DEFAULT_FACTORY, warm_up: bool = True,
+                 restart_scheduler: bool = False, on_fatal: Callable[[str], None] | None = None) -> None:
         self.runtime_config = runtime_config
         self.cache_config = cache_config
         self.metrics = metrics or ServerMetrics()
         self.factory, self.warm_up = factory, warm_up
-        self.paths = IpcPaths.fresh()
+        self.restart_scheduler = restart_scheduler
+        self.on_fatal = on_fatal  # called once the server cannot serve again (scheduler dead, no restart)
+        self.fatal_reason: str | None = None
+        self.paths: IpcPaths | None = None  # made by start()
         self.tokenizer = None
         self.info: SchedulerReady | None = None
         self.dead_reason: str | None = None
         self.proc = None
         self.kv_capacity = 0
+        self.startup_timeout = 0.0
+        self.restarts = 0
+        self.last_recovery_s: float | None = None
+        self._snapshot: StatsSnapshot | None = None
+        self._ready: asyncio.Future | None = None
+        self._closing = False
         self._states: dict[str, _ReqState] = {}
+        self._aborting: set[str] = set()  # rids closed early whose abort the scheduler has not confirmed
         self._control_waiters: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self, timeout: float) -> None:
-        """Spawn the scheduler, load the tokenizer meanwhile, wait until the model is loaded (and
-        warmed up)."""
-        self._sync_ctx = zmq.Context()
-        self._async_ctx = zmq.asyncio.Context()
-        self._send_sock = self._sync_ctx.socket(zmq.PUSH)
-        self._send_sock.bind(self.paths.to_scheduler)
-        self._recv_sock = self._async_ctx.socket(zmq.PULL)
-        self._recv_sock.bind(self.paths.from_scheduler)
-        self.proc = scheduler_process.start(self.paths, self.runtime_config, self.cache_config, self.factory,
-                                            self.warm_up)
+        """Bind the sockets, spawn the scheduler, load the tokenizer meanwhile, wait until the
+        model is loaded (and warmed up)."""
+        self.startup_timeout = timeout
+        self._open_sockets()
+        self._tasks = [asyncio.create_task(self._recv_loop())]
+        self._tasks[0].add_done_callback(self._task_ended)
         tok_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, self.runtime_config))
-        self.info = await self._wait_ready(timeout)
+        await self._launch(timeout)
         self.tokenizer = await tok_task
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watchdog())]
-        for t in self._tasks:
-            t.add_done_callback(self._task_ended)
-        stats = (await self.control("stats")).data or {}
-        self.kv_capacity = int(stats.get("tiers", {}).get("device", {}).get("capacity_tokens") or 0)
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        self._tasks[-1].add_done_callback(self._task_ended)
+
+    def _open_sockets(self) -> None:
+        """One context (the sync PUSH shadows the asyncio one, so that one ZAP handler guards both)."""
+        self.paths = IpcPaths.fresh()
+        self._ctx = zmq.asyncio.Context()
+        self.guard = PeerGuard(self._ctx, on_reject=self.metrics.ipc_rejected_handshakes.inc)
+        self.guard.start()
+        self._send_sock = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
+        self._send_sock.sndhwm = 0  # never block the event loop: queue while the scheduler is busy
+        self.guard.bind(self._send_sock, self.paths.to_scheduler)
+        self._recv_sock = self._ctx.socket(zmq.PULL)
+        self.guard.bind(self._recv_sock, self.paths.from_scheduler)
+
+    async def _launch(self, timeout: float) -> None:
+        """Start a scheduler process with fresh keys and wait for its SchedulerReady."""
+        keys = self.guard.admit()
+        self._ready = asyncio.get_running_loop().create_future()
+        self._snapshot = None
+        self.proc = scheduler_process.start(self.paths, keys, self.runtime_config, self.cache_config, self.factory,
+                                            self.warm_up)
+        self.info = await self._wait_ready(timeout)
 
     @property
     def token_limit(self) -> int:
@@ -109,41 +146,68 @@ class TokenizerManager:
         return min(ctx, self.kv_capacity) if self.kv_capacity > 0 else ctx
 
     async def _wait_ready(self, timeout: float) -> SchedulerReady:
+        """The receive loop resolves `_ready` (SchedulerReady, or SchedulerFailed as RuntimeError)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if await self._recv_sock.poll(500):
-                for msg in unpack(await self._recv_sock.recv()):
-                    if isinstance(msg, SchedulerReady):
-                        return msg
-                    if isinstance(msg, SchedulerFailed):
-                        raise RuntimeError(f"scheduler failed to start: {msg.error}")
-            elif not self.proc.is_alive():
+        while not self._ready.done():
+            if not self.proc.is_alive():
                 raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} while loading")
-        raise RuntimeError(f"scheduler not ready after {timeout:.0f} s")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler not ready after {timeout:.0f} s")
+            await asyncio.wait([self._ready], timeout=0.5)
+        return self._ready.result()
 
     async def shutdown(self) -> None:
-        """Fail what is still open, stop the scheduler process (no orphan), close sockets."""
+        """Fail what is still open, stop the scheduler process (no orphan), close the sockets and
+        remove their directory (whatever happened before)."""
+        self._closing = True
         self._mark_dead("server shutting down", logging.INFO)
         for t in self._tasks:
             t.cancel()
-        if self.proc is not None and self.proc.is_alive():
-            if self.info is not None:  # loaded: its loop can exit cleanly; while loading it can't listen
-                self._send([ControlRequest(id="shutdown", kind="shutdown")])
-                await asyncio.to_thread(self.proc.join, 5)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                await asyncio.to_thread(self.proc.join, 5)
-            if self.proc.is_alive():
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.join, 5)
-        for sock in ("_send_sock", "_recv_sock"):
-            if hasattr(self, sock):
-                getattr(self, sock).close(0)
-        self.paths.cleanup()
+        try:
+            await self._stop_scheduler()
+        finally:
+            self._close_sockets()
+
+    async def _stop_scheduler(self) -> None:
+        if self.proc is None or not self.proc.is_alive():
+            return
+        if self._ready is not None and self._ready.done() and not self._ready.exception():
+            # loaded: its loop can exit cleanly; while loading it can't listen
+            self._send_quietly([ControlRequest(id="shutdown", kind="shutdown")])
+            await asyncio.to_thread(self.proc.join, 5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.join, 5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.join, 5)
+
+    def _close_sockets(self) -> None:
+        if self.paths is None:
+            return
+        try:
+            self.guard.close()
+            self._send_sock.close(0)
+            self._recv_sock.close(0)
+            self._ctx.destroy(0)
+        except zmq.ZMQError as e:
+            logger.warning("closing the scheduler sockets: %s", e)
+        finally:
+            self.paths.cleanup()
 
     @property
     def alive(self) -> bool:
         return self.dead_reason is None and self.proc is not None and self.proc.is_alive()
+
+    def stats(self) -> dict:
+        """The scheduler's latest published statistics, with `stats_age_s` (seconds since it took
+        them). SchedulerUnavailable while it is dead, restarting, or has published none yet."""
+        if not self.alive:
+            raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
+        snap = self._snapshot
+        if snap is None:
+            raise SchedulerUnavailable("the scheduler has published no statistics yet")
+        return {**snap.data, "stats_age_s": round(max(0.0, time.monotonic() - snap.taken), 3)}
 
     # ---- tokenization -----------------------------------------------------------------------
 
@@ -166,9 +230,11 @@ class TokenizerManager:
     # ---- requests ---------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
-        """Send `req` and yield its chunks until it finishes. Closing early aborts it."""
+        """Send `req` and yield its chunks until it finishes. Closing early aborts it.
+        APIError 400 (param `rid`) when `req.rid` is not a string or is already in flight."""
         if not self.alive:
             raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
+        self._check_rid(req.rid)
         state = _ReqState(queue=asyncio.Queue())
         self._states[req.rid] = state
         stream = _RequestStream(self, req.sampling_params)
@@ -185,12 +251,20 @@ class TokenizerManager:
                 yield chunk
         finally:
             self._states.pop(req.rid, None)
-            if not finished:
-                self.abort(req.rid)
+            if not finished and self.abort(req.rid):
+                self._aborting.add(req.rid)
 
-    def abort(self, rid: str) -> None:
-        if self.alive:
-            self._send([AbortRequest(rid=rid)])
+    def _check_rid(self, rid) -> None:
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, f"rid must be a non-empty string, got {type(rid).__name__}", param="rid",
+                           code="invalid_value")
+        if rid in self._states or rid in self._aborting:
+            raise APIError(400, f"a request with rid {rid!r} is already in flight: rids must be unique",
+                           param="rid", code="duplicate_rid")
+
+    def abort(self, rid: str) -> bool:
+        """Ask the scheduler to drop `rid`; False when it could not be asked (dead or restarting)."""
+        return self.alive and self._send_quietly([AbortRequest(rid=rid)])
 
     def abort_prefix(self, rid: str) -> int:
         """Abort `rid` and its fan-out (`rid-0`, `rid-1`, ...); returns how many were open."""
@@ -226,7 +300,18 @@ class TokenizerManager:
     # ---- internals --------------------------------------------------------------------------
 
     def _send(self, msgs: list) -> None:
-        self._send_sock.send(pack(msgs))
+        """Never blocks: with no scheduler connected it raises SchedulerUnavailable."""
+        try:
+            self._send_sock.send(pack(msgs), zmq.NOBLOCK)
+        except zmq.Again:
+            raise SchedulerUnavailable("the scheduler process is not connected") from None
+
+    def _send_quietly(self, msgs: list) -> bool:
+        try:
+            self._send(msgs)
+        except SchedulerUnavailable:
+            return False
+        return True
 
     def _observe(self, state: _ReqState, chunk: Chunk, finished: bool) -> None:
         now = time.perf_counter()
@@ -243,46 +328,121 @@ class TokenizerManager:
         """The receive loop or the watchdog must not die quietly: streams would hang."""
         if not task.cancelled() and task.exception() is not None:
             logger.error("internal task failed", exc_info=task.exception())
-            self._mark_dead(f"internal error: {type(task.exception()).__name__}: {task.exception()}")
+            reason = f"internal error: {type(task.exception()).__name__}: {task.exception()}"
+            self._mark_dead(reason)
+            self._fatal(reason)
 
     async def _recv_loop(self) -> None:
         while True:
             frame = await self._recv_sock.recv()
             try:
                 msgs = unpack(frame)
-            except (ValueError, TypeError) as e:
-                logger.error("dropping a malformed frame from the scheduler: %s", e)
+            except ValueError as e:
+                self.metrics.ipc_dropped_frames.inc()
+                logger.error("dropped a malformed frame from the scheduler: %s", e)
                 continue
             for msg in msgs:
-                self._dispatch(msg)
+                try:
+                    self._dispatch(msg)
+                except Exception:  # one message must not stop the loop
+                    logger.exception("handling %s failed", type(msg).__name__)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, TokenOutput):
-            state = self._states.get(msg.rid)
-            if state is not None:
-                state.queue.put_nowait(msg)
+            self._route(msg)
+        elif isinstance(msg, StatsSnapshot):
+            self._take_snapshot(msg)
         elif isinstance(msg, ControlReply):
             fut = self._control_waiters.get(msg.id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, SchedulerReady):
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg)
         elif isinstance(msg, SchedulerFailed):
-            self._mark_dead(f"scheduler failed: {msg.error}")
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(RuntimeError(f"scheduler failed to start: {msg.error}"))
+            else:
+                self._mark_dead(f"scheduler failed: {msg.error}")
+
+    def _route(self, out: TokenOutput) -> None:
+        state = self._states.get(out.rid)
+        if state is not None:
+            state.queue.put_nowait(out)
+        elif out.finish_reason is not None:
+            self._aborting.discard(out.rid)  # the abort (or the finish it crossed) landed: the rid is free
+
+    def _take_snapshot(self, snap: StatsSnapshot) -> None:
+        self._snapshot = snap
+        device = snap.data.get("tiers", {}).get("device", {})
+        capacity = device.get("capacity_tokens") if isinstance(device, dict) else None
+        if isinstance(capacity, int) and capacity > 0:
+            self.kv_capacity = capacity
 
     async def _watchdog(self) -> None:
-        while self.dead_reason is None:
-            await asyncio.sleep(0.5)
-            if not self.proc.is_alive():
-                self._mark_dead(f"scheduler process exited with code {self.proc.exitcode}")
+        """Wait for the scheduler process to exit; then fail what is open and restart it or give up."""
+        while not self._closing:
+            await _wait_exit(self.proc)
+            if self._closing:
+                return
+            reason = f"scheduler process (pid {self.proc.pid}) exited with code {self.proc.exitcode}"
+            self._mark_dead(reason + ("; restarting it" if self.restart_scheduler else ""))
+            if not self.restart_scheduler:
+                self._fatal(reason)
+                return
+            if not await self._restart():
+                return
+
+    async def _restart(self) -> bool:
+        """A new scheduler process on the same sockets; True once it serves. A start that fails is fatal."""
+        t0 = time.monotonic()
+        self.restarts += 1
+        self.metrics.scheduler_restarts.inc()
+        logger.warning("restarting the scheduler process (restart %d)", self.restarts)
+        try:
+            await self._launch(self.startup_timeout)
+        except RuntimeError as e:
+            reason = f"scheduler restart failed: {e}"
+            self.dead_reason = reason
+            logger.error("%s", reason)
+            self._fatal(reason)
+            return False
+        self.last_recovery_s = time.monotonic() - t0
+        self.dead_reason = None
+        logger.warning("scheduler process restarted (pid %d); serving again after %.1f s", self.proc.pid,
+                       self.last_recovery_s)
+        return True
+
+    def _fatal(self, reason: str) -> None:
+        if self.fatal_reason is None and not self._closing:
+            self.fatal_reason = reason
+            if self.on_fatal is not None:
+                self.on_fatal(reason)
 
     def _mark_dead(self, reason: str, level: int = logging.ERROR) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.log(level, "%s", reason)
+        self._snapshot = None
+        self._aborting.clear()
         for rid, state in list(self._states.items()):
-            state.queue.put_nowait(TokenOutput(rid=rid, new_token_ids=[], finish_reason={"type": "abort"}, error=_DEAD))
+            state.queue.put_nowait(TokenOutput(rid=rid, new_token_ids=[], finish_reason={"type": "abort"},
+                                               error=_DEAD + reason))
         for fut in self._control_waiters.values():
             if not fut.done():
                 fut.set_exception(SchedulerUnavailable(reason))
+
+
+async def _wait_exit(proc) -> None:
+    """Until `proc` exits: woken by its sentinel at once, polled every half second as a fallback."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(proc.sentinel, lambda: exited.done() or exited.set_result(None))
+    try:
+        while proc.is_alive():
+            await asyncio.wait([exited], timeout=0.5)
+    finally:
+        loop.remove_reader(proc.sentinel)
 
 
 def _load_tokenizer(runtime_config):
@@ -291,7 +451,7 @@ def _load_tokenizer(runtime_config):
     return load_tokenizer(runtime_config.model_path or default_model_path())
 
 
-_DEAD = "\x00scheduler-dead"  # marks outputs injected by _mark_dead (-> 503)
+_DEAD = "\x00scheduler-dead:"  # prefixes the reason in outputs injected by _mark_dead (-> 503)
 
 
 class _RequestStream:
@@ -322,8 +482,8 @@ class _RequestStream:
         if finish is not None:
             delta += self._finish(finish)
         status = 400
-        if error == _DEAD:
-            error, status = self.tm.dead_reason or "scheduler process died", 503
+        if error is not None and error.startswith(_DEAD):
+            error, status = error[len(_DEAD):] or "scheduler process died", 503
         return Chunk(text_delta=delta, text=self.stops.final_text, new_ids=new_ids,
                      output_ids=list(self.output_ids), meta=dict(self.meta), finish_reason=finish,
                      logprobs=logprobs, error=error, error_status=status)
