@@ -10,6 +10,11 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+try:
+    from jinja2 import TemplateError
+except ImportError:  # transformers renders chat templates with jinja2; without it there are none
+    TemplateError = ValueError
+
 from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from hicache.server.serving import (
     check_prompt,
@@ -76,8 +81,8 @@ async def chat_completions(request: Request):
     model = check_model(request, body.model)
     try:
         ids = tm.apply_chat_template(body.template_messages())
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
     check_prompt(tm, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,

@@ -18,6 +18,9 @@ from hicache.server.protocol import APIError
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
 
 DISCONNECT_POLL_S = 0.25
+MAX_STOPS = 64  # stop strings, and separately stop token ids, of one request
+MAX_STOP_CHARS = 1024  # of one stop string
+MAX_CHOICES = 4096  # requests one HTTP request fans out to: prompts x n
 
 
 @dataclass
@@ -40,7 +43,7 @@ def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | No
     """Parse with the runtime's rules (the only parse: the typed result is what the scheduler
     gets); a bad value is a 400 naming the (API's) field."""
     try:
-        return SamplingParams.from_dict(sampling, vocab_size)
+        params = SamplingParams.from_dict(sampling, vocab_size)
     except ValueError as e:
         msg = str(e)
         param = _field_of(msg)
@@ -48,6 +51,19 @@ def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | No
             msg = msg.replace(param, renames[param], 1)
             param = renames[param]
         raise APIError(400, msg, param=param, code="invalid_value") from None
+    _check_stops(params)
+    return params
+
+
+def _check_stops(params: SamplingParams) -> None:
+    """Stops are matched at every step: their number and length are bounded."""
+    for name, values in (("stop", params.stop), ("stop_token_ids", params.stop_token_ids)):
+        if len(values) > MAX_STOPS:
+            raise APIError(400, f"{name}: at most {MAX_STOPS} entries, got {len(values)}", param=name,
+                           code="invalid_value")
+    if any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise APIError(400, f"stop: a stop string may hold at most {MAX_STOP_CHARS} characters", param="stop",
+                       code="invalid_value")
 
 
 def _field_of(message: str) -> str | None:
@@ -90,6 +106,9 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
                   top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
     `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} completions; "
+                       f"at most {MAX_CHOICES} per request", param="n", code="invalid_value")
     reqs = []
     for p, ids in enumerate(prompts):
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
