@@ -1,6 +1,12 @@
-"""The FastAPI application: routes, API-key check, body size limit, OpenAI-style errors."""
+"""The FastAPI application: routes, API-key check, request limits, CORS, OpenAI-style errors.
+
+Middlewares, outermost first: CORS (only with --allowed-origins), the API key, then the request
+limits (URL 414, headers 431, body size 413, body read deadline 408), all before any route parses
+a body. Bodies themselves are checked by `protocol.parse_body` (415, 400).
+"""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -9,6 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from hicache.server import native_api, openai_api
 from hicache.server.config import ServerConfig
@@ -18,6 +25,8 @@ from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerMana
 logger = logging.getLogger("hicache.server")
 VERSION = "0.1.0"
 OPEN_PATHS = frozenset({"/health"})
+MAX_URL_BYTES = 8 * 1024  # path and query string
+MAX_HEADER_BYTES = 32 * 1024  # request line and headers
 
 
 def create_app(tm: TokenizerManager, config: ServerConfig) -> FastAPI:
@@ -32,9 +41,13 @@ def create_app(tm: TokenizerManager, config: ServerConfig) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(RequestLimitsMiddleware, max_bytes=config.max_request_bytes,
+                       read_timeout=config.request_read_timeout)
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # added last: runs first
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.origins():  # added last: runs first, so that preflights need no API key
+        app.add_middleware(JSONCORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     return app
 
 
@@ -63,6 +76,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+CLOSE = (b"connection", b"close")
 
 
 # ---- pure ASGI middlewares (they must not buffer or wrap streaming responses) ---------------
@@ -83,32 +97,71 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes`: by Content-Length up front, else while reading."""
+class JSONCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered as an OpenAI-style JSON 400."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        return error_response(400, bytes(response.body).decode(), code="cors_refused")
+
+
+class RequestLimitsMiddleware:
+    """414 for a URL over MAX_URL_BYTES, 431 for headers over MAX_HEADER_BYTES (h11 bounds only
+    headers that arrive in pieces); for bodies, 413 over `max_bytes` (by Content-Length up front,
+    else while reading) and 408 when the whole body has not arrived `read_timeout` seconds after
+    the headers. The body is read here, before any route parses it."""
+
+    def __init__(self, app, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_URL_BYTES:
+            return await _send_error(send, 414, f"the URL exceeds {MAX_URL_BYTES} bytes", "invalid_request_error",
+                                     "uri_too_long", close=True)
+        if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            return await _send_error(send, 431, f"the request headers exceed {MAX_HEADER_BYTES} bytes",
+                                     "invalid_request_error", "headers_too_large", close=True)
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)  # no route reads their body; the protocol drops it
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await _send_error(send, 413, self._message(), "invalid_request_error", "request_too_large")
+            return await self._too_large(send)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.read_timeout)
+        except _TooLarge:
+            return await self._too_large(send)
+        except asyncio.TimeoutError:
+            return await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s",
+                                     "invalid_request_error", "request_timeout", close=True)
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive) -> bytes | None:
+        """The whole body; None when the client left first."""
         body, more = bytearray(), True
         while more:  # buffer the (bounded) body so that a chunked upload is capped as well
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                return
+                return None
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
             if len(body) > self.max_bytes:
-                return await _send_error(send, 413, self._message(), "invalid_request_error", "request_too_large")
-        await self.app(scope, _replay(bytes(body), receive), send)
+                raise _TooLarge
+        return bytes(body)
 
-    def _message(self) -> str:
-        return f"request body exceeds the limit of {self.max_bytes} bytes"
+    async def _too_large(self, send) -> None:
+        await _send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes",
+                          "invalid_request_error", "request_too_large", close=True)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def _replay(body: bytes, receive):
@@ -124,8 +177,10 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _send_error(send, status: int, message: str, type_: str, code: str) -> None:
+async def _send_error(send, status: int, message: str, type_: str, code: str, close: bool = False) -> None:
+    """An error answered by a middleware; `close` ends the connection after it (the client may
+    still be sending a body nobody reads)."""
     payload = json.dumps(error_body(message, type_, None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + ([CLOSE] if close else [])})
     await send({"type": "http.response.body", "body": payload})

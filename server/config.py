@@ -1,6 +1,7 @@
 """`ServerConfig`: the HTTP front end's options. CLI defaults are read from here."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -15,6 +16,8 @@ class ServerConfig:
     startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
+    allowed_origins: str | None = field(default=None, metadata={"help": "Comma-separated origins (scheme://host[:port]) whose web pages may call the API from a browser (CORS), or '*' for any; default: none, and no CORS headers are sent."})
+    request_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a client gets to send a request's headers (from its first byte, or from connecting) and, again, its body; then the server answers 408 and closes the connection."})
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
@@ -24,3 +27,15 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if not self.request_read_timeout > 0:
+            raise ValueError(f"request_read_timeout must be > 0 seconds, got {self.request_read_timeout}")
+        for origin in self.origins():
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin such as https://example.com:8080")
+
+    def origins(self) -> list[str]:
+        """`allowed_origins` as a list (empty: no CORS)."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")

@@ -19,12 +19,14 @@ import sys
 
 import uvicorn
 
-from hicache.server.app import create_app
+from hicache.server.app import MAX_HEADER_BYTES, create_app
 from hicache.server.config import ServerConfig
+from hicache.server.http_protocol import guarded_protocol
 from hicache.server.scheduler_process import DEFAULT_FACTORY
 from hicache.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("hicache.server")
+KEEP_ALIVE_S = 5
 EXIT_SCHEDULER_DIED = 3
 
 
@@ -49,7 +51,7 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
         server = uvicorn.Server(uvicorn.Config(
             create_app(tm, server_config), host=server_config.host, port=server_config.port,
             log_level=server_config.log_level, timeout_graceful_shutdown=server_config.graceful_shutdown_timeout,
-            access_log=server_config.log_level == "debug"))
+            access_log=server_config.log_level == "debug", **http_options(server_config)))
         tm.on_fatal = lambda _reason: setattr(server, "should_exit", True)
         server.should_exit = tm.fatal_reason is not None
         announce = asyncio.create_task(_announce(server, server_config, tm))
@@ -68,6 +70,14 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
         return 1
     finally:
         await asyncio.shield(tm.shutdown())
+
+
+def http_options(config: ServerConfig) -> dict:
+    """uvicorn's HTTP options: h11 with read deadlines, a connection cap and JSON errors
+    (`http_protocol`); h11 buffers at most MAX_HEADER_BYTES of an incomplete request line and
+    headers (431, or 414 for the line alone); idle kept-alive connections close after KEEP_ALIVE_S."""
+    return {"http": guarded_protocol(config.request_read_timeout), "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+            "timeout_keep_alive": KEEP_ALIVE_S}
 
 
 async def _announce(server: uvicorn.Server, config: ServerConfig, tm: TokenizerManager) -> None:

@@ -15,7 +15,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import SamplingParams
 from hicache.server.openai_api import SSE_HEADERS, stream_error, tm_of
-from hicache.server.protocol import AbortReqInput, APIError, GenerateReqInput, error_body, error_response, parse_body
+from hicache.server.protocol import (
+    AbortReqInput,
+    APIError,
+    GenerateReqInput,
+    error_body,
+    error_response,
+    is_bare_non_browser_post,
+    parse_body,
+    require_json,
+)
 from hicache.server.serving import (
     check_prompt,
     check_sampling,
@@ -208,8 +217,12 @@ async def metrics(request: Request) -> Response:
 # ---- control --------------------------------------------------------------------------------
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request):
+    """POST only (a GET could come from any web page). SGLang's clients send a bare POST, without
+    a body or a Content-Type: accepted unless a browser sent it; else application/json."""
+    if not is_bare_non_browser_post(request, await request.body()):
+        require_json(request)
     reply = await tm_of(request).control("flush_cache")
     if not reply.ok:
         return error_response(400, reply.error or "Cache not flushed: requests are running; retry when idle.",
