@@ -1,4 +1,4 @@
-"""DESIGN §1: imports flow one way between the rooms. Walks every module's imports (AST)."""
+"""Imports flow one way between the rooms (docs/design.md). Walks every module's imports (AST)."""
 from __future__ import annotations
 
 import ast
