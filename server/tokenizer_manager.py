@@ -183,14 +183,18 @@ class TokenizerManager:
             await asyncio.to_thread(self.proc.join, 5)
 
     def _close_sockets(self) -> None:
+        """Whatever `_open_sockets` got to open; the directory goes in any case."""
         if self.paths is None:
             return
         try:
-            self.guard.close()
-            self._send_sock.close(0)
-            self._recv_sock.close(0)
+            guard = getattr(self, "guard", None)
+            if guard is not None:
+                guard.close()
+            for sock in (getattr(self, "_send_sock", None), getattr(self, "_recv_sock", None)):
+                if sock is not None:
+                    sock.close(0)
             self._ctx.destroy(0)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, AttributeError) as e:
             logger.warning("closing the scheduler sockets: %s", e)
         finally:
             self.paths.cleanup()

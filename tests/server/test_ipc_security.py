@@ -2,8 +2,8 @@
 
 - Codec: a frame whose messages do not have their fields' types (a list as `rid`, strings as token
   ids, a bool as a count, msgpack extension types, garbage) is refused whole with ValueError.
-- Socket directory: private (0700), removed on exit, and after a SIGKILL of the server by its
-  scheduler; directories of dead servers are swept at the next launch.
+- Socket directory: private (0700), removed on exit (SIGTERM while loading too), and after a SIGKILL
+  of the server by its scheduler; directories of dead servers are swept at the next launch.
 - A process of the same user that connects to the sockets without the keys neither receives a
   request nor gets a token into a client's response; its handshakes are refused and counted.
 - Malformed frames in both directions (an in-process tokenizer manager and a spawned scheduler
@@ -145,6 +145,27 @@ def test_real_server_socket_directory_lifecycle():
     finally:
         if handle.proc.poll() is None:
             handle.stop()
+
+
+@pytest.mark.model
+def test_sigterm_while_loading_removes_the_socket_directory():
+    import sys
+
+    from server_harness import free_port
+
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.server.cli", "serve", "--port", str(free_port()),
+                             *LIGHT_FLAGS], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_dirs(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert socket_dirs(proc.pid), "no socket directory appeared"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not socket_dirs(proc.pid)
 
 
 # ---- an intruder on the real server's sockets ------------------------------------------------------

@@ -143,7 +143,7 @@ def test_restart_scheduler_serves_again_and_keeps_l3(tmp_path):
         handle.scheduler_pid = info["scheduler_pid"]  # stop() checks that this one goes too
     finally:
         code = handle.stop()
-    assert code == 0
+    assert code == 0 and not socket_dirs(handle.proc.pid)
     assert "serving again after" in handle.log.read_text()
 
 
