@@ -28,6 +28,7 @@ import hmac
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 import types
@@ -254,7 +255,9 @@ class IpcPaths:
 
 def sweep_stale_dirs(base: str | None = None) -> list[str]:
     """Remove socket directories that servers killed before they could clean up left behind: ours
-    (same owner), named `hicache-ipc-<pid>-...`, whose pid no longer runs. Returns what it removed."""
+    (same owner), named `hicache-ipc-<pid>-...`, whose pid no longer runs and whose request socket
+    accepts no connection (a server in another pid namespace sharing /tmp keeps its directory).
+    Returns what it removed."""
     base = base or tempfile.gettempdir()
     removed = []
     try:
@@ -263,7 +266,7 @@ def sweep_stale_dirs(base: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         pid = _owner_pid(entry)
-        if pid is not None and not _pid_running(pid):
+        if pid is not None and not _pid_running(pid) and not _listening(os.path.join(entry.path, "in")):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
@@ -280,6 +283,19 @@ def _owner_pid(entry: os.DirEntry) -> int | None:
     if not (pid.isdigit() and entry.is_dir(follow_symlinks=False) and st.st_uid == os.getuid()):
         return None
     return int(pid)
+
+
+def _listening(path: str) -> bool:
+    """Does a process accept connections on the unix socket `path`? (Unsure counts as yes.)"""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True
+    return True
 
 
 def _pid_running(pid: int) -> bool:

@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -111,13 +112,18 @@ def test_sweep_removes_only_directories_of_dead_servers(tmp_path):
     dead.wait()
     stale = tmp_path / f"{DIR_PREFIX}{dead.pid}-abc"
     live = tmp_path / f"{DIR_PREFIX}{os.getpid()}-abc"
+    listening = tmp_path / f"{DIR_PREFIX}{dead.pid}-def"  # a server in another pid namespace, say
     other = tmp_path / "hicache-server-123.log"
-    for d in (stale, live):
+    for d in (stale, live, listening):
         d.mkdir()
+    for d in (stale, live):
         (d / "in").write_bytes(b"")
     other.write_text("log")
-    assert sweep_stale_dirs(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server_sock:
+        server_sock.bind(str(listening / "in"))
+        server_sock.listen()
+        assert sweep_stale_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and listening.exists() and other.exists()
 
 
 def socket_dirs(pid: int) -> list[str]:
