@@ -20,9 +20,9 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# the default suite plus the tests marked slow (longer end-to-end runs)
+# the default suite, the tests marked slow (longer end-to-end runs) and more Hypothesis examples
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow or not slow" --hypothesis-profile thorough $(PYTEST_ARGS)
 
 # HF transformers' reference outputs under tests/golden (see tests/golden/regenerate.py)
 golden: $(STAMP)

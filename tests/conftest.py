@@ -2,12 +2,17 @@
 
 - `default_model_path`: the embedded default GGUF (fetched once into the user's cache folder).
 - `default_model`: our SmolLM2 (fp32, CPU), loaded once per session.
-- `hf_reference`: HF transformers' model + tokenizer on the same GGUF (the oracle), once per session.
+- `hf_reference`: HF transformers' model + tokenizer on the same GGUF (the oracle), once per session;
+  the suite compares with its greedy outputs through tests/golden, and runs it live in one test.
+- `hf_tokenizer`: HF transformers' tokenizer of the GGUF alone.
 - `tiny_config_path` / `llama31_config_path`: configs under benchmarks/configs.
 - `prompt_logits`: fn(model, ids: list[int]) -> [T, vocab] fp32 logits of a whole prompt, through
   a test-only single-sequence attention backend (`SimpleAttention`).
 - autouse: a private `$HICACHE_HOME` per test module and per test (see `private_home`).
 - `redis_server`: a real redis-server on a free port, stopped after the test (`RedisServer`).
+- autouse: one intra-op thread for tests not marked `model` (see `_torch_threads`).
+- Hypothesis profiles: `default` sized for `make test`, `thorough` (`--hypothesis-profile
+  thorough`, which `make test-all` passes) with more examples.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import settings
 
 from hicache.runtime.default_model import hicache_home
 
@@ -48,6 +54,28 @@ def _module_home(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _test_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HICACHE_HOME", str(private_home(tmp_path_factory.mktemp("home"))))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    """Tests on tiny models and small tensors run torch on one intra-op thread: their operations are
+    too small to gain from a second, and OpenMP threads that spin at every barrier slow them many
+    times over whenever another process (a server under test, a neighbour) holds a core. Tests
+    marked `model` (SmolLM2's real matrix products) keep every thread."""
+    if request.node.get_closest_marker("model"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+settings.register_profile("default", max_examples=50, stateful_step_count=50, deadline=None)
+settings.register_profile("thorough", max_examples=300, stateful_step_count=100, deadline=None)
+settings.load_profile("default")  # the hypothesis plugin loads --hypothesis-profile after this
 
 
 class SimpleAttention:
@@ -113,15 +141,22 @@ def default_model(default_model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model_path):
+def hf_tokenizer(default_model_path):
+    """HF transformers' tokenizer, reading the GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path, hf_tokenizer):
     """(model, tokenizer) from HF transformers, reading the same GGUF."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d, name = str(default_model_path.parent), default_model_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     model.eval()
-    return SimpleNamespace(model=model, tokenizer=tok)
+    return SimpleNamespace(model=model, tokenizer=hf_tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +200,7 @@ class RedisServer:
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
+                    raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

@@ -193,8 +193,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert self.tree.locked_tokens() == len(locked) * self.ps
 
 
-TreeMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=80, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# examples and steps per example from the Hypothesis profile (tests/conftest.py): `make test-all`
+# runs the thorough one
+TreeMachine.TestCase.settings = settings(suppress_health_check=[HealthCheck.too_slow])
 test_tree_machine = TreeMachine.TestCase
