@@ -148,13 +148,14 @@ async def health(request: Request):
     serves, recomputing, "disabled")."""
     tm = tm_of(request)
     if not tm.alive:
-        return error_response(503, tm.dead_reason or "scheduler process is not running", code="service_unavailable")
+        return error_response(503, tm.redact(tm.dead_reason or "scheduler process is not running"),
+                              code="service_unavailable")
     try:
         storage = tm.stats().get("tiers", {}).get("storage", {})
         state = storage.get("status", "ok") if storage.get("enabled") else "disabled"
     except SchedulerUnavailable:
         state = "unknown: the scheduler has published no statistics yet"
-    return {"status": "ok", "details": {"storage": state}}
+    return {"status": "ok", "details": {"storage": tm.redact(state)}}  # open to all: no credentials
 
 
 @router.get("/health_generate")
@@ -184,19 +185,20 @@ async def get_server_info(request: Request) -> dict:
     server = {k: v for k, v in asdict(request.app.state.config).items() if k != "api_key"}
     cache = asdict(tm.cache_config)
     cache["hicache_storage_secret"] = "***" if cache.get("hicache_storage_secret") else None  # never shown
-    return {**server, **asdict(tm.runtime_config), **cache,
-            "served_model_name": request.app.state.model_names[0], "context_length": tm.info.context_length,
-            "max_total_tokens": tm.kv_capacity, "version": request.app.version,
-            "scheduler_pid": tm.info.pid, "open_requests": tm.num_open_requests,
-            "scheduler": await _stats(tm)}
+    return tm.redact({**server, **asdict(tm.runtime_config), **cache,  # the L3 url's password, if any
+                      "served_model_name": request.app.state.model_names[0],
+                      "context_length": tm.info.context_length, "max_total_tokens": tm.kv_capacity,
+                      "version": request.app.version, "scheduler_pid": tm.info.pid,
+                      "open_requests": tm.num_open_requests, "scheduler": await _stats(tm)})
 
 
 @router.get("/hicache/stats")
 async def hicache_stats(request: Request) -> dict:
     tm = tm_of(request)
     stats = await _stats(tm)
-    return {**stats, "model": request.app.state.model_names[0], "uptime_s": time.time() - request.app.state.started,
-            "open_requests": tm.num_open_requests, "server": tm.metrics.totals()}
+    return tm.redact({**stats, "model": request.app.state.model_names[0],
+                      "uptime_s": time.time() - request.app.state.started, "open_requests": tm.num_open_requests,
+                      "server": tm.metrics.totals()})
 
 
 async def _stats(tm: TokenizerManager) -> dict:

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
+from hicache.runtime.redact import redact_obj, url_password
 from hicache.runtime.sampling import SamplingParams
 from hicache.server import scheduler_process
 from hicache.server.detokenizer import IncrementalDetokenizer, StopStringBuffer
@@ -203,6 +204,13 @@ class TokenizerManager:
     def alive(self) -> bool:
         return self.dead_reason is None and self.proc is not None and self.proc.is_alive()
 
+    def redact(self, value):
+        """`value` (text, or a JSON-like value) as the server may show or log it: URL passwords,
+        and the L3 URL's password wherever it appears, masked."""
+        url = self.cache_config.storage_extra.get("url")
+        secret = url_password(url) if isinstance(url, str) else None
+        return redact_obj(value, (secret,) if secret else ())
+
     def stats(self) -> dict:
         """The scheduler's latest published statistics, with `stats_age_s` (seconds since it took
         them). SchedulerUnavailable while it is dead, restarting, or has published none yet."""
@@ -365,7 +373,7 @@ class TokenizerManager:
                 self._ready.set_result(msg)
         elif isinstance(msg, SchedulerFailed):
             if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(RuntimeError(f"scheduler failed to start: {msg.error}"))
+                self._ready.set_exception(RuntimeError(self.redact(f"scheduler failed to start: {msg.error}")))
             else:
                 self._mark_dead(f"scheduler failed: {msg.error}")
 
@@ -424,6 +432,7 @@ class TokenizerManager:
                 self.on_fatal(reason)
 
     def _mark_dead(self, reason: str, level: int = logging.ERROR) -> None:
+        reason = self.redact(reason)  # shown on every route (/health) and logged
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.log(level, "%s", reason)
