@@ -26,3 +26,19 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
         if a != b:
             return i
     return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def logits_vs_golden(ours, case: dict, start: int = 0) -> tuple[float, bool]:
+    """Our logits [T, vocab] for positions start.. of a `logits.json` case against HF's summary:
+    (largest |ours - HF| over HF's top ids at every position and over the logsumexp, whether our
+    argmax is HF's top id at every position)."""
+    import torch
+
+    end = start + ours.shape[0]
+    ids = torch.tensor(case["top_ids"][start:end])
+    want = torch.tensor(case["top_logits"][start:end])
+    lse = torch.tensor(case["logsumexp"][start:end])
+    assert ids.shape[0] == ours.shape[0], f"the golden has {ids.shape[0]} positions from {start}, ours {ours.shape[0]}"
+    ours = ours.float()
+    err = max((ours.gather(1, ids) - want).abs().max().item(), (ours.logsumexp(-1) - lse).abs().max().item())
+    return err, bool(torch.equal(ours.argmax(-1), ids[:, 0]))

@@ -23,6 +23,10 @@ Files:
   `json.decoder`, `threading` and `inspect` sources), each turn answered with 8 greedy tokens and
   the answer kept in the history of the next turn; `cases[c]["turns"][t]` is turn t's user tokens,
   `cases[c]["answers"][t]` HF's answer.
+- `logits.json`: a summary of HF's logits over whole prompts (one forward each), per position the
+  top 3 token ids, their logits and the logsumexp over the vocabulary, for `short`, `chat`, `code`,
+  `long` (1,500 tokens; tests/runtime/test_model.py) and `paged` (1,000 tokens of `threading`'s
+  source; tests/runtime/test_paged_logits.py).
 
 Prompts are stored as token ids, so the tests need neither the tokenizer nor the stdlib sources of
 the Python that made them. Run `make golden` (or `.venv/bin/python tests/golden/regenerate.py
@@ -114,7 +118,42 @@ def make_multiturn(model, tok) -> dict:
     return {"system": system, "new_tokens": ANSWER, "cases": cases}
 
 
-SETS: dict[str, Callable] = {"parity": make_parity, "multiturn": make_multiturn}
+PARAGRAPH = (
+    "The hierarchical cache keeps every prefix the engine has computed in a radix tree whose pages "
+    "live in GPU memory, pinned host memory or a storage tier, and moves pages between tiers "
+    "asynchronously so that the scheduler almost never recomputes what some tier still holds. "
+)
+TOP = 3
+
+
+def logits_prompts(tok) -> dict[str, list[int]]:
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    return {
+        "short": tok("The capital of France is")["input_ids"],
+        "chat": list(chat),
+        "code": tok("def fib(n):\n    if n < 2:\n        return n\n    return")["input_ids"],
+        "long": tok(PARAGRAPH * 40)["input_ids"][:1500],
+        "paged": source_tokens(tok, (threading,), 8000)[:1000],
+    }
+
+
+def logits_summary(model, ids: list[int]) -> dict:
+    """Per position: HF's top TOP ids and logits, and the logsumexp over the vocabulary."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    top = logits.topk(TOP, dim=-1)
+    return {"prompt": ids, "top_ids": top.indices.tolist(),
+            "top_logits": [[round(v, 5) for v in row] for row in top.values.tolist()],
+            "logsumexp": [round(v, 5) for v in logits.logsumexp(-1).tolist()]}
+
+
+def make_logits(model, tok) -> dict:
+    return {"top": TOP, "cases": [{"name": name, **logits_summary(model, ids)}
+                                  for name, ids in logits_prompts(tok).items()]}
+
+
+SETS: dict[str, Callable] = {"parity": make_parity, "multiturn": make_multiturn, "logits": make_logits}
 
 
 def header() -> dict:

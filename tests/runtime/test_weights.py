@@ -53,14 +53,14 @@ def test_safetensors_round_trip(smollm2_folder, default_model, prompt_logits):
 
 
 @pytest.mark.model
-def test_gguf_tokenizer_and_chat_template(default_model, hf_reference):
+def test_gguf_tokenizer_and_chat_template(default_model, hf_tokenizer):
     tok = default_model.tokenizer
     for text in ["Hello world", "def f(x):\n    return x ** 2\n", "Ünïcödé 日本語 🙂"]:
-        assert tok(text)["input_ids"] == hf_reference.tokenizer(text)["input_ids"]
+        assert tok(text)["input_ids"] == hf_tokenizer(text)["input_ids"]
     msgs = [{"role": "user", "content": "Hi"}]
     ids = apply_chat_template(tok, msgs)
-    assert ids == list(hf_reference.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                                  tokenize=True, return_dict=False))
+    assert ids == list(hf_tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False))
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     t0 = time.perf_counter()
     assert load_tokenizer(default_model.path) is tok  # cached in-process
@@ -72,7 +72,8 @@ def test_dummy_deterministic_per_seed(tiny_config_path, prompt_logits):
     b = load_model(tiny_config_path.parent / tiny_config_path.name, load_format="dummy", seed=1)
     c = load_model(tiny_config_path, load_format="dummy", seed=2)
     assert a.tokenizer is None
-    for (n, p), (_, q), (_, r) in zip(a.model.named_parameters(), b.model.named_parameters(), c.model.named_parameters()):
+    params = (a.model.named_parameters(), b.model.named_parameters(), c.model.named_parameters())
+    for (n, p), (_, q), (_, r) in zip(*params):
         assert torch.equal(p, q), n
         if p.dim() >= 2:
             assert not torch.equal(p, r), n
