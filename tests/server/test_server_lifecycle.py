@@ -14,7 +14,7 @@ import pytest
 
 from server_harness import LIGHT_FLAGS, pid_alive, start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 KEY = "s3cret-key"
 
 
