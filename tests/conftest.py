@@ -8,7 +8,7 @@
 - `tiny_config_path` / `llama31_config_path`: configs under benchmarks/configs.
 - `prompt_logits`: fn(model, ids: list[int]) -> [T, vocab] fp32 logits of a whole prompt, through
   a test-only single-sequence attention backend (`SimpleAttention`).
-- autouse: a private `$HICACHE_HOME` per test module and per test (see `private_home`).
+- autouse: a private `$HICACHE_HOME` per test module and per test (tests/homes.py).
 - `redis_server`: a real redis-server on a free port, stopped after the test (`RedisServer`).
 - autouse: one intra-op thread for tests not marked `model` (see `_torch_threads`).
 - Hypothesis profiles: `default` sized for `make test`, `thorough` (`--hypothesis-profile
@@ -24,24 +24,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import settings
 
-from hicache.runtime.default_model import hicache_home
+from homes import private_home
 
 REPO = Path(__file__).resolve().parents[1]
-
-# L3 is on by default and lives under $HICACHE_HOME (LMDB in storage/lmdb), so that a test never
-# reads pages stored by an earlier run or another test, every test module (for its module-scoped
-# engines and servers) and every test gets a home of its own. The other entries of the real home
-# (the fetched model, saved tokenizers) are symlinked in, so nothing is fetched twice. Server
-# processes inherit the variable.
-REAL_HOME = hicache_home()
-SHARED_HOME_ENTRIES = ("models", "tokenizers")
-
-
-def private_home(base: Path) -> Path:
-    for name in SHARED_HOME_ENTRIES:
-        (REAL_HOME / name).mkdir(parents=True, exist_ok=True)
-        (base / name).symlink_to(REAL_HOME / name)
-    return base
 
 
 @pytest.fixture(scope="module", autouse=True)

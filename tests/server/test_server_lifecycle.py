@@ -1,4 +1,6 @@
-"""API key and SIGTERM with requests in flight (each on its own server). A dead scheduler process:
+"""API key, the start-up warm-up, and SIGTERM with requests in flight or while loading. The keyed
+server serves every test of the API key, then its state at start-up is the warm-up's case, then
+SIGTERM stops it; the warm-up skipped needs a server of its own. A dead scheduler process:
 test_scheduler_death.py."""
 from __future__ import annotations
 
@@ -7,25 +9,44 @@ import re
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import httpx
 import openai
 import pytest
 
-from server_harness import LIGHT_FLAGS, pid_alive, start_server
+from server_harness import LIGHT_FLAGS, ServerHandle, pid_alive, start_server
 
 pytestmark = pytest.mark.model
 KEY = "s3cret-key"
 
 
+class StartUp(NamedTuple):
+    """A server as it reported ready: its handle, /hicache/stats and log at that moment."""
+    handle: ServerHandle
+    stats: dict
+    log: str
+
+
+def start_up(*flags: str, api_key: str | None = None) -> StartUp:
+    handle = start_server(*flags, api_key=api_key)
+    stats = httpx.get(handle.url + "/hicache/stats", headers=handle.headers, timeout=30).json()
+    return StartUp(handle, stats, handle.log.read_text())
+
+
 @pytest.fixture(scope="module")
-def keyed_server():
-    handle = start_server(*LIGHT_FLAGS, api_key=KEY)
+def keyed_start():
+    started = start_up(*LIGHT_FLAGS, api_key=KEY)
     try:
-        yield handle
+        yield started
     finally:
-        if handle.proc.poll() is None:
-            handle.stop()
+        if started.handle.proc.poll() is None:
+            started.handle.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(keyed_start):
+    return keyed_start.handle
 
 
 def test_api_key_enforced_on_every_route_but_health(keyed_server):
@@ -59,9 +80,29 @@ def test_stats_cli_needs_the_key(keyed_server):
     assert out.returncode == 0 and "device" in out.stdout
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_warm_up_runs_before_ready_and_counts_in_no_statistic(skip, request):
+    """Without the flag: the keyed server as it started (before any test used it)."""
+    started = start_up(*LIGHT_FLAGS, "--skip-server-warmup") if skip else request.getfixturevalue("keyed_start")
+    handle = started.handle
+    try:
+        assert ("warm-up request done" in started.log) != skip
+        frozen = re.search(r"start-up heap frozen: (\d+) objects", started.log)  # after the warm-up either way
+        assert frozen and int(frozen.group(1)) > 10_000, started.log[-2000:]  # torch alone is more
+        stats = started.stats
+        assert stats["requests_finished"] == 0 and stats["tokens"]["prompt"] == stats["tokens"]["generation"] == 0
+        assert stats["tiers"]["device"]["cached_tokens"] == stats["tiers"]["device"]["used_tokens"] == 0
+        r = httpx.post(handle.url + "/generate", timeout=60, headers=handle.headers, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
+    finally:
+        if skip:
+            handle.stop()
+
+
 def test_sigterm_with_streams_in_flight_leaves_no_process(keyed_server):
-    """SIGTERM while clients stream: the server finishes or fails them, exits, and takes the
-    scheduler process with it."""
+    """(Stops the keyed server: the module's last test on it.) SIGTERM while clients stream: the
+    server finishes or fails them, exits, and takes the scheduler process with it."""
     ended = []
 
     def client():
@@ -119,21 +160,3 @@ def test_sigterm_while_loading_stops_the_scheduler_too():
     assert proc.wait(60) != 0
     time.sleep(0.5)
     assert not [k for k in kids if pid_alive(k)], "a child outlived the server"
-
-
-@pytest.mark.parametrize("skip", [False, True])
-def test_warm_up_runs_before_ready_and_counts_in_no_statistic(skip):
-    handle = start_server(*LIGHT_FLAGS, *(["--skip-server-warmup"] if skip else []))
-    try:
-        stats = httpx.get(handle.url + "/hicache/stats", timeout=30).json()
-        log = handle.log.read_text()
-        assert ("warm-up request done" in log) != skip
-        frozen = re.search(r"start-up heap frozen: (\d+) objects", log)  # after the warm-up either way
-        assert frozen and int(frozen.group(1)) > 10_000, log[-2000:]  # torch alone is more
-        assert stats["requests_finished"] == 0 and stats["tokens"]["prompt"] == stats["tokens"]["generation"] == 0
-        assert stats["tiers"]["device"]["cached_tokens"] == stats["tiers"]["device"]["used_tokens"] == 0
-        r = httpx.post(handle.url + "/generate", timeout=60, json={
-            "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
-        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
-    finally:
-        handle.stop()
