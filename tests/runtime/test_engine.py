@@ -5,14 +5,14 @@ import asyncio
 
 import pytest
 
-from hicache import Engine
+from engines import make_engine
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def engine(default_model_path):
-    with Engine(str(default_model_path), max_total_tokens=8192, context_length=2048) as e:
+    with make_engine(default_model_path, max_total_tokens=8192, context_length=2048) as e:
         yield e
 
 
@@ -59,7 +59,8 @@ def test_stop_string_is_not_returned(engine):
 def test_stop_token_ids_and_max_new_tokens_zero(engine):
     greedy = engine.generate("Paris is the capital of", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     stop_id = greedy["output_ids"][2]
-    out = engine.generate("Paris is the capital of", {"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [stop_id]})
+    out = engine.generate("Paris is the capital of",
+                          {"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [stop_id]})
     assert out["output_ids"] == greedy["output_ids"][:3]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     empty = engine.generate("Paris", {"max_new_tokens": 0})
@@ -79,7 +80,8 @@ def test_logprobs_with_top_alternatives(engine):
 def test_async_stream_and_abort_frees_everything(engine):
     async def run():
         chunks = []
-        async for chunk in engine.async_generate("Tell me a story.", {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}):
+        params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+        async for chunk in engine.async_generate("Tell me a story.", params):
             chunks.append(chunk)
         return chunks
 

@@ -169,7 +169,8 @@ def test_idle_scheduler_steps_until_its_copies_land(tiny_config_path):
     has work until that copy is folded in (an idle server would otherwise report it in flight,
     and hold its pins, until the next request)."""
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=4.0)
-    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)  # copies land a poll later, as on a GPU
+    # copies land a poll later, as on a GPU
+    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
     sched.add_request(request("a", list(range(3, 70)), dict(GREEDY, max_new_tokens=4)))
     steps = 0
     while sched.has_work():
@@ -362,11 +363,11 @@ def prompt(conv: int, turn: int, answers: list[list[list[int]]]) -> list[int]:
     return ids + GOLDEN["cases"][conv]["turns"][turn]
 
 
-def converse(engine: Engine, convs: range) -> Run:
+def converse(engine: Engine, convs: range, turns: int = TURNS) -> Run:
     """Turn by turn, every conversation's next turn submitted together (greedy, NEW tokens each)."""
     answers = [[] for _ in range(CONVERSATIONS)]
     metas = [[] for _ in range(CONVERSATIONS)]
-    for t in range(TURNS):
+    for t in range(turns):
         prompts = [prompt(c, t, answers) for c in convs]
         outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=NEW))
         for c, o in zip(convs, outs):
@@ -378,7 +379,7 @@ def converse(engine: Engine, convs: range) -> Run:
 
 def host_fraction_by_turn(run: Run, convs: range) -> list[float]:
     out = []
-    for t in range(TURNS):
+    for t in range(len(run.metas[convs[0]])):
         host = sum(run.metas[c][t]["cached_tokens_details"]["host"] for c in convs)
         prompt_tokens = sum(run.metas[c][t]["prompt_tokens"] for c in convs)
         out.append(host / prompt_tokens)
@@ -390,7 +391,7 @@ def assert_hf_answers(run: Run, convs: range) -> None:
     difference is where the engine parted from HF)."""
     for c in convs:
         case = GOLDEN["cases"][c]
-        for t in range(TURNS):
+        for t in range(len(run.answers[c])):
             at = first_difference(run.answers[c][t], case["answers"][t])
             assert at is None, (f"conversation {c}, turn {t + 1}: first difference at answer token {at}, "
                                 f"HF's top-2 margin there {case['margins'][t][at] if at < NEW else None}")
@@ -417,6 +418,7 @@ def test_multi_turn_conversations_served_from_host(default_model_path, conversat
 
 
 VARIANT_CONVS = range(10)  # more than L1 holds at turn 3, so every history comes from L2
+VARIANT_TURNS = [4, pytest.param(TURNS, marks=pytest.mark.slow, id="all-turns")]
 
 
 @pytest.mark.model
@@ -428,9 +430,11 @@ VARIANT_CONVS = range(10)  # more than L1 holds at turn 3, so every history come
     pytest.param({"hicache_write_policy": "write_through", "hicache_mem_layout": "page_first", "page_size": 8},
                  id="write_through-page_first-page8"),
 ])
-def test_multi_turn_each_policy_and_layout(default_model_path, options):
+@pytest.mark.parametrize("turns", VARIANT_TURNS)
+def test_multi_turn_each_policy_and_layout(default_model_path, options, turns):
+    """4 turns: two past the third, from which on L2 must serve half the prompt; `make test-all`: 6."""
     with l2_engine(default_model_path, **options) as engine:
-        run = converse(engine, VARIANT_CONVS)
+        run = converse(engine, VARIANT_CONVS, turns)
     assert_hf_answers(run, VARIANT_CONVS)
     fractions = host_fraction_by_turn(run, VARIANT_CONVS)
     print(options, "host-served fraction by turn:", [round(f, 3) for f in fractions])
