@@ -1,9 +1,9 @@
 """L3 with real server processes on the default model.
 
-- Warm restart: a multi-turn conversation, the server stopped, a new one started on the same LMDB
-  path: the same prompts are served from storage with identical greedy outputs.
 - An LMDB path that cannot be opened: the server starts and serves, degraded (/health, stats),
-  and storage resumes once the path can be opened.
+  and storage resumes once the path can be opened. Warm restart: a multi-turn conversation on
+  it, the server stopped, a new one started on the same LMDB path: the same prompts are served
+  from storage with identical greedy outputs.
 - Two servers sharing one real Redis: the second serves what the first computed. Redis down at
   start-up (degraded, in /health and `hicache stats`), back (resumes), killed mid-run (requests
   go on, errors counted, outputs unchanged), back again (storage resumes).
@@ -76,10 +76,36 @@ def wait_for(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def test_warm_restart_is_served_from_lmdb(tmp_path):
-    flags = storage_flags("lmdb", path=str(tmp_path / "lmdb"))
+def flush(server) -> None:
+    """Empties the server's L1 and L2 (retried while transfers are in flight)."""
+    wait_for(lambda: httpx.post(server.url + "/flush_cache", timeout=30).json()["success"])
+
+
+def assert_degraded_then_resumes(server, path) -> None:
+    """Serves without storage while the path is a file, then resumes once it can be opened."""
+    assert health_storage(server).startswith(f"degraded: cannot open {path}: FileExistsError")
+    res = generate(server, TURNS[0])
+    assert res["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    assert res["meta_info"]["cached_tokens_details"]["storage"] == 0
+    wait_for(lambda: storage_stats(server)["errors"] > 0)
+    assert storage_stats(server)["degraded"]
+    path.unlink()  # the path can be opened now: the worker's probe reopens it
+    wait_for(lambda: health_storage(server) == "ok")
+
+
+def test_lmdb_degraded_resumes_and_a_restart_is_served_from_it(tmp_path):
+    """One LMDB path through two servers. The first starts on a path that cannot be opened (a file
+    where the folder should be): it serves, degraded, and storage resumes once the path can be
+    opened; a conversation then (its cache flushed first: nothing of the degraded time in L1) is
+    backed up. The second, started on the same path, serves the same prompts from storage with
+    identical greedy outputs."""
+    path = tmp_path / "lmdb"
+    path.write_bytes(b"a file where the folder should be")
+    flags = storage_flags("lmdb", path=str(path))
     first = start_server(*flags)
     try:
+        assert_degraded_then_resumes(first, path)
+        flush(first)
         cold = converse(first)
         assert health_storage(first) == "ok"
         assert settle(first)["backed_up_tokens"] > 0
@@ -99,25 +125,6 @@ def test_warm_restart_is_served_from_lmdb(tmp_path):
     details = [r["meta_info"]["cached_tokens_details"] for r in warm]
     assert details[0]["storage"] >= 64, details
     assert stats["hit_tokens"] == sum(d["storage"] for d in details) and stats["prefetched_tokens"] > 0
-
-
-def test_an_lmdb_path_that_cannot_be_opened_is_degraded_not_fatal(tmp_path):
-    path = tmp_path / "lmdb"
-    path.write_bytes(b"a file where the folder should be")
-    server = start_server(*storage_flags("lmdb", path=str(path)))
-    try:
-        assert health_storage(server).startswith(f"degraded: cannot open {path}: FileExistsError")
-        res = generate(server, TURNS[0])
-        assert res["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
-        assert res["meta_info"]["cached_tokens_details"]["storage"] == 0
-        wait_for(lambda: storage_stats(server)["errors"] > 0)
-        assert storage_stats(server)["degraded"]
-        path.unlink()  # the path can be opened now: the worker's probe reopens it
-        wait_for(lambda: health_storage(server) == "ok")
-        generate(server, TURNS[1] * 3)
-        assert settle(server)["backed_up_tokens"] > 0
-    finally:
-        server.stop()
 
 
 def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys):
