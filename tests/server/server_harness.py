@@ -2,7 +2,8 @@
 
 `start_server(*flags)` launches `python -m hicache.server.cli serve`, waits for /health and
 returns a `ServerHandle`; `handle.stop()` sends SIGTERM and checks that both the server and its
-scheduler process are gone.
+scheduler process are gone. `start_up(*flags)` also records what the server reported as it became
+ready (`StartUp`), for tests of its start-up state on a server other tests then use.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -105,3 +107,14 @@ def _wait_healthy(h: ServerHandle) -> None:
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s\n{h.log_tail()}")
 
 
+class StartUp(NamedTuple):
+    """A server as it reported ready: its handle, /hicache/stats and log at that moment."""
+    handle: ServerHandle
+    stats: dict
+    log: str
+
+
+def start_up(*flags: str, api_key: str | None = None) -> StartUp:
+    handle = start_server(*flags, api_key=api_key)
+    stats = httpx.get(handle.url + "/hicache/stats", headers=handle.headers, timeout=30).json()
+    return StartUp(handle, stats, handle.log.read_text())

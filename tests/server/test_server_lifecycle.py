@@ -1,6 +1,6 @@
 """API key, the start-up warm-up, and SIGTERM with requests in flight or while loading. The keyed
-server serves every test of the API key, then its state at start-up is the warm-up's case, then
-SIGTERM stops it; the warm-up skipped needs a server of its own. A dead scheduler process:
+server serves every test of the API key, its state at start-up is the warm-up's case (the shared
+server's, which skips it, the flag's), then SIGTERM stops it. A dead scheduler process:
 test_scheduler_death.py."""
 from __future__ import annotations
 
@@ -9,29 +9,15 @@ import re
 import signal
 import threading
 import time
-from typing import NamedTuple
 
 import httpx
 import openai
 import pytest
 
-from server_harness import LIGHT_FLAGS, ServerHandle, pid_alive, start_server
+from server_harness import LIGHT_FLAGS, pid_alive, start_up
 
 pytestmark = pytest.mark.model
 KEY = "s3cret-key"
-
-
-class StartUp(NamedTuple):
-    """A server as it reported ready: its handle, /hicache/stats and log at that moment."""
-    handle: ServerHandle
-    stats: dict
-    log: str
-
-
-def start_up(*flags: str, api_key: str | None = None) -> StartUp:
-    handle = start_server(*flags, api_key=api_key)
-    stats = httpx.get(handle.url + "/hicache/stats", headers=handle.headers, timeout=30).json()
-    return StartUp(handle, stats, handle.log.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -82,44 +68,43 @@ def test_stats_cli_needs_the_key(keyed_server):
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_warm_up_runs_before_ready_and_counts_in_no_statistic(skip, request):
-    """Without the flag: the keyed server as it started (before any test used it)."""
-    started = start_up(*LIGHT_FLAGS, "--skip-server-warmup") if skip else request.getfixturevalue("keyed_start")
+    """Each server as it started, before any test used it: the keyed one (warm-up on, the default)
+    and the shared one (`--skip-server-warmup`, tests/server/conftest.py)."""
+    started = request.getfixturevalue("server_start" if skip else "keyed_start")
+    assert ("warm-up request done" in started.log) != skip
+    frozen = re.search(r"start-up heap frozen: (\d+) objects", started.log)  # after the warm-up either way
+    assert frozen and int(frozen.group(1)) > 10_000, started.log[-2000:]  # torch alone is more
+    stats = started.stats
+    assert stats["requests_finished"] == 0 and stats["tokens"]["prompt"] == stats["tokens"]["generation"] == 0
+    assert stats["tiers"]["device"]["cached_tokens"] == stats["tiers"]["device"]["used_tokens"] == 0
     handle = started.handle
-    try:
-        assert ("warm-up request done" in started.log) != skip
-        frozen = re.search(r"start-up heap frozen: (\d+) objects", started.log)  # after the warm-up either way
-        assert frozen and int(frozen.group(1)) > 10_000, started.log[-2000:]  # torch alone is more
-        stats = started.stats
-        assert stats["requests_finished"] == 0 and stats["tokens"]["prompt"] == stats["tokens"]["generation"] == 0
-        assert stats["tiers"]["device"]["cached_tokens"] == stats["tiers"]["device"]["used_tokens"] == 0
-        r = httpx.post(handle.url + "/generate", timeout=60, headers=handle.headers, json={
-            "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
-        assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
-    finally:
-        if skip:
-            handle.stop()
+    r = httpx.post(handle.url + "/generate", timeout=60, headers=handle.headers, json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == 0
 
 
 def test_sigterm_with_streams_in_flight_leaves_no_process(keyed_server):
     """(Stops the keyed server: the module's last test on it.) SIGTERM while clients stream: the
     server finishes or fails them, exits, and takes the scheduler process with it."""
-    ended = []
+    ended, streaming = [], [threading.Event() for _ in range(3)]
 
-    def client():
+    def client(first_token: threading.Event):
         try:
             with httpx.stream("POST", keyed_server.url + "/generate", headers=keyed_server.headers, timeout=120,
                               json={"text": "Tell a long story", "stream": True,
                                     "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as r:
-                for _ in r.iter_lines():
-                    pass
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        first_token.set()
             ended.append("closed")
         except httpx.HTTPError as e:
             ended.append(type(e).__name__)
 
-    threads = [threading.Thread(target=client) for _ in range(3)]
+    threads = [threading.Thread(target=client, args=(e,)) for e in streaming]
     for t in threads:
         t.start()
-    time.sleep(3)
+    assert all(e.wait(60) for e in streaming), "a stream never started"
+    time.sleep(0.5)  # a few tokens more into each stream
     t0 = time.monotonic()
     code = keyed_server.stop(timeout=60)  # asserts the scheduler process is gone too
     assert time.monotonic() - t0 < 60 and code == 0
