@@ -189,7 +189,7 @@ def test_host_eviction_takes_unpinned_host_only_leaves_lru_first():
 def test_host_exhaustion_leaves_pages_device_only_and_nothing_leaks():
     h = Harness(ps=2, device_pages=16, host_pages=3)  # L2 holds 6 tokens
     h.run(seq(4))
-    r = h.start("r", seq(8, 50))  # locked, so its path cannot be evicted anywhere
+    h.start("r", seq(8, 50))  # locked, so its path cannot be evicted anywhere
     h.run(seq(10, 300))  # 10 tokens > 6: no backup, the request is unaffected
     assert h.ctrl.counters["backup_skipped_tokens"] == 10
     h.finish("r")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 
 import hicache.pagekey as pagekey
 from hicache.pagekey import namespace_seed, page_keys

@@ -130,7 +130,9 @@ def test_engine_rejects_bad_backend_and_layer_mismatch():
 def test_slot_runs_pair_up_slots_contiguous_on_both_sides():
     from hicache.tiers.host.copy_engine import slot_runs
 
-    pages = lambda ps, size=4: np.concatenate([np.arange(p * size, p * size + size) for p in ps])
+    def pages(ps, size=4):
+        return np.concatenate([np.arange(p * size, p * size + size) for p in ps])
+
     # the allocator hands out pages in descending order: host and device runs still pair up
     h, d, n = slot_runs(pages([5, 4, 3]), pages([9, 8, 7]))
     assert (h.tolist(), d.tolist(), n.tolist()) == ([12], [28], [12])
