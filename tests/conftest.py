@@ -3,19 +3,22 @@
 - `default_model_path`: the embedded default GGUF (fetched once into the user's cache folder).
 - `default_model`: our SmolLM2 (fp32, CPU), loaded once per session.
 - `hf_reference`: HF transformers' model + tokenizer on the same GGUF (the oracle), once per session;
-  the suite compares with its greedy outputs through tests/golden, and runs it live in one test.
+  the suite compares with its outputs through tests/golden and runs it live in one comparison
+  (test_engine_parity.py::test_live_hf_oracle; test_weights.py also saves its weights).
 - `hf_tokenizer`: HF transformers' tokenizer of the GGUF alone.
 - `tiny_config_path` / `llama31_config_path`: configs under benchmarks/configs.
 - `prompt_logits`: fn(model, ids: list[int]) -> [T, vocab] fp32 logits of a whole prompt, through
   a test-only single-sequence attention backend (`SimpleAttention`).
 - autouse: a private `$HICACHE_HOME` per test module and per test (tests/homes.py).
 - `redis_server`: a real redis-server on a free port, stopped after the test (`RedisServer`).
-- autouse: one intra-op thread for tests not marked `model` (see `_torch_threads`).
+- autouse: one intra-op thread for tests not marked `model` (see `_torch_threads`); OpenMP
+  threads wait passively (tests/omp_env.py).
 - Hypothesis profiles: `default` sized for `make test`, `thorough` (`--hypothesis-profile
   thorough`, which `make test-all` passes) with more examples.
 """
 from __future__ import annotations
 
+import omp_env  # noqa: F401  (first: OpenMP reads its wait policy when torch loads it)
 from pathlib import Path
 from types import SimpleNamespace
 
