@@ -95,18 +95,12 @@ def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig,
         backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
     seed = namespace_seed(model_fingerprint(rc, loaded), host_pool.buffer.dtype, cc.page_size, cc.hicache_mem_layout,
                           "tp0/1")
-    backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], storage_secret(cc), **backend_options)
+    backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], cc.hicache_storage_secret, **backend_options)
     cache.attach_storage(StorageWorker(backend, host_pool, options.batch_pages), seed, options,
                          cc.hicache_storage_backend)
     logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
                 redact(str(backend_options.get("path") or backend_options.get("url") or "in memory")), options.policy,
-                options.prefetch_threshold, "MACed" if storage_secret(cc) else "key-bound, not MACed")
-
-
-def storage_secret(cc: HiCacheConfig) -> str | None:
-    """The L3 secret: `hicache_storage_secret`, else the environment's HICACHE_STORAGE_SECRET (a
-    command line is readable by every local user), else None. Never logged."""
-    return cc.hicache_storage_secret or os.environ.get("HICACHE_STORAGE_SECRET") or None
+                options.prefetch_threshold, "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
 
 
 def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:

@@ -50,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args)
 
 
+def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, RuntimeConfig, HiCacheConfig]:
+    """The configs of `hicache serve` (ValueError or TypeError on a bad value). The L3 secret
+    defaults to $HICACHE_STORAGE_SECRET: a command line is readable by every local user."""
+    if args.hicache_storage_secret is None:
+        args.hicache_storage_secret = os.environ.get("HICACHE_STORAGE_SECRET")
+    return (config_from_args(ServerConfig, args), config_from_args(RuntimeConfig, args),
+            config_from_args(HiCacheConfig, args))
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
-        server = config_from_args(ServerConfig, args)
-        runtime = config_from_args(RuntimeConfig, args)
-        cache = config_from_args(HiCacheConfig, args)
+        server, runtime, cache = serve_configs(args)
     except (TypeError, ValueError) as e:
         print(f"hicache serve: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.pagekey import page_keys
-from hicache.runtime.build import build_scheduler, storage_secret
+from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import SamplingParams
@@ -219,15 +219,16 @@ def test_the_secret_is_taken_from_the_flag_or_the_environment_and_never_shown(ti
         HiCacheConfig(hicache_storage_backend_extra_config={"secret": SECRET})
     assert SECRET not in str(e.value)
 
+    from hicache.server.cli import serve_configs
+
     monkeypatch.delenv("HICACHE_STORAGE_SECRET", raising=False)
-    assert storage_secret(HiCacheConfig()) is None
-    monkeypatch.setenv("HICACHE_STORAGE_SECRET", "from-the-environment-0123")
-    assert storage_secret(HiCacheConfig()) == "from-the-environment-0123"
-    assert storage_secret(cc) == SECRET
-    monkeypatch.setenv("HICACHE_STORAGE_SECRET", "short")
-    with pytest.raises(ValueError, match="at least 16 bytes"):
-        l3_scheduler(tiny_config_path, backend="memory")
+    assert serve_configs(build_parser().parse_args(["serve"]))[2].hicache_storage_secret is None
+    monkeypatch.setenv("HICACHE_STORAGE_SECRET", "from-the-environment-0123")  # hicache serve's default
+    assert serve_configs(build_parser().parse_args(["serve"]))[2].hicache_storage_secret == "from-the-environment-0123"
+    assert serve_configs(build_parser().parse_args(["serve", "--hicache-storage-secret", SECRET]))[2] == cc
     monkeypatch.delenv("HICACHE_STORAGE_SECRET")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        l3_scheduler(tiny_config_path, backend="memory", secret="short")
 
     sched = l3_scheduler(tiny_config_path, backend="memory", secret=SECRET)
     stats = sched.stats()
