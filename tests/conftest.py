@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from hypothesis import settings
 
 from homes import private_home
+from redis_proc import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,46 +156,6 @@ def tiny_config_path() -> Path:
 @pytest.fixture(scope="session")
 def llama31_config_path() -> Path:
     return REPO / "benchmarks" / "configs" / "llama-3.1-8b.json"
-
-
-class RedisServer:
-    """A real `redis-server` on 127.0.0.1 and a free port, no persistence; `stop()` kills it (as
-    a crash would), `start()` brings it back on the same port, empty."""
-
-    def __init__(self, workdir: Path):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.workdir = workdir
-        self.proc = None
-
-    def start(self) -> None:
-        import subprocess
-        import time
-
-        import redis
-
-        self.proc = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

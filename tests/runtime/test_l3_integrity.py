@@ -31,6 +31,7 @@ from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.scheduler import Scheduler
 from hicache.tiers.remote.framing import decode_into, encode
+from test_hicache_l3 import drain, settle
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
 PAGE = 4
@@ -45,29 +46,6 @@ def l3_scheduler(config_path, backend="lmdb", total=256, secret=None, radix=True
                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_secret=secret,
                        hicache_storage_backend_extra_config={"prefetch_threshold": 16, **extra})
     return build_scheduler(rc, cc)
-
-
-def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for _ in range(limit):
-        if not sched.has_requests():
-            return out
-        for o in sched.step():
-            rec = out.setdefault(o.rid, [[], None])
-            rec[0] += o.new_token_ids
-            rec[1] = o.meta
-        sched.check_integrity()
-    raise AssertionError("the scheduler did not go idle")
-
-
-def settle(sched: Scheduler) -> None:
-    """Waits until every L3 write has landed and been folded in."""
-    for _ in range(500):
-        if not sched.cache.storage.busy():
-            return
-        sched.cache.storage.wait(0.02)
-        sched.cache.storage.poll()
-    raise AssertionError("L3 operations still in flight")
 
 
 def run_each(sched: Scheduler, ps: list[list[int]], tag: str) -> tuple[list[list[int]], list[int]]:

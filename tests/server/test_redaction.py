@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import time
 from urllib.parse import quote
 
@@ -16,6 +15,7 @@ import pytest
 
 from hicache.runtime.redact import redact, redact_obj, url_password
 from hicache.server import stats_cli
+from redis_proc import RedisServer
 from server_harness import LIGHT_FLAGS, start_server
 
 PASSWORD = "Tr0ub4dor&3-s3cr3t@pw"  # "&" and "@" are percent-encoded in the URL
@@ -65,44 +65,14 @@ def test_redact_masks_literal_secrets_in_every_encoding():
 # ---- the backend ----------------------------------------------------------------------------
 
 
-class AuthRedis:
-    """A real redis-server that requires `PASSWORD`, on a free port; stopped by default."""
-
-    def __init__(self, workdir):
-        self.port, self.workdir, self.proc = free_port(), workdir, None
-        self.url = url_for(self.port)
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--requirepass", PASSWORD],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=PASSWORD)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def auth_redis(tmp_path):
     import shutil
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    server = AuthRedis(tmp_path)
+    server = RedisServer(tmp_path, PASSWORD)  # stopped until the test starts it
+    server.url = url_for(server.port)
     try:
         yield server
     finally:
