@@ -51,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, RuntimeConfig, HiCacheConfig]:
-    """The configs of `hicache serve` (ValueError or TypeError on a bad value). The L3 secret
-    defaults to $HICACHE_STORAGE_SECRET: a command line is readable by every local user."""
-    if args.hicache_storage_secret is None:
-        args.hicache_storage_secret = os.environ.get("HICACHE_STORAGE_SECRET")
+    """The configs of `hicache serve` (ValueError or TypeError on a bad value)."""
     return (config_from_args(ServerConfig, args), config_from_args(RuntimeConfig, args),
             config_from_args(HiCacheConfig, args))
 
