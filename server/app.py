@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from hicache.server import native_api, openai_api
+from hicache.server import native_api, openai_api, tokenize_api
 from hicache.server.config import ServerConfig
 from hicache.server.protocol import APIError, describe_validation, error_body, error_response
 from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerManager
@@ -40,6 +40,7 @@ def create_app(tm: TokenizerManager, config: ServerConfig) -> FastAPI:
     app.state.model_names = names
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(tokenize_api.router)
     _install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_bytes=config.max_request_bytes,
                        read_timeout=config.request_read_timeout)

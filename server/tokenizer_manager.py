@@ -43,7 +43,7 @@ from hicache.server.ipc import (
     pack,
     unpack,
 )
-from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer
+from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import APIError
 
@@ -223,13 +223,17 @@ class TokenizerManager:
 
     # ---- tokenization -----------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Raises ValueError when the model has no tokenizer (send input_ids instead)."""
-        return [int(t) for t in self._tok().encode(text, add_special_tokens=False)]
+        return [int(t) for t in self._tok().encode(text, add_special_tokens=add_special_tokens)]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered conversation plus the assistant prompt; ValueError if impossible."""
         return apply_chat_template(self._tok(), messages)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The rendered conversation as text; ValueError if impossible."""
+        return render_chat_template(self._tok(), messages, add_generation_prompt)
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
