@@ -40,7 +40,8 @@ def test_api_key_enforced_on_every_route_but_health(keyed_server):
     assert httpx.get(url + "/health").status_code == 200
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/hicache/stats"),
                          ("GET", "/get_server_info"), ("POST", "/generate"), ("POST", "/flush_cache"),
-                         ("POST", "/v1/chat/completions"), ("GET", "/health_generate")]:
+                         ("POST", "/v1/chat/completions"), ("GET", "/health_generate"), ("POST", "/tokenize"),
+                         ("POST", "/apply_chat_template")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={})
             assert r.status_code == 401, (path, headers)
@@ -56,6 +57,21 @@ def test_openai_client_with_key(keyed_server):
     bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_lang_runtime_endpoint_with_key(keyed_server):
+    import hicache.lang as sgl
+
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        sgl.RuntimeEndpoint(keyed_server.url)
+
+    @sgl.function
+    def hello(s):
+        s += sgl.user("Hello!")
+        s += sgl.assistant(sgl.gen("reply", max_tokens=2))
+
+    state = hello.run(temperature=0, backend=sgl.RuntimeEndpoint(keyed_server.url, api_key=KEY))
+    assert 1 <= state.get_meta_info("reply")["completion_tokens"] <= 2
 
 
 def test_stats_cli_needs_the_key(keyed_server):
