@@ -55,6 +55,20 @@ def test_multi_turn_qa_equals_the_chat_api(backend):
     assert state.messages()[0] == {"role": "system", "content": "You are a precise assistant."}
 
 
+@pytest.mark.slow
+def test_the_issue_program_unchanged_equals_the_chat_api(backend):
+    @sgl.function
+    def multi_turn_qa(s, question):
+        s += sgl.system("You are a precise assistant.")
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=256))
+        s += sgl.user("Summarize your answer in one sentence.")
+        s += sgl.assistant(sgl.gen("summary", max_tokens=64))
+
+    state = multi_turn_qa.run(question="Explain RadixAttention in one paragraph.", temperature=0, backend=backend)
+    assert [state["answer"], state["summary"]] == chat_turns(backend, state.messages(), [256, 64])
+
+
 def test_five_steps_each_extend_the_cached_prefix(backend):
     state = chat.run(nonce=uuid.uuid4().hex, temperature=0, backend=backend)
     names = ["colour", "fruit", "animal", "city", "river"]
