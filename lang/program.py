@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -83,11 +84,12 @@ class Function:
                   top_logprobs_num: int | None = None, backend: Any = None, num_threads: int | str = "auto",
                   progress_bar: bool = False) -> list[ProgramState]:
         """Run the program once per argument dict (or tuple of positional arguments), up to
-        num_threads at a time ("auto": all of them); states come back in order."""
+        num_threads at a time ("auto": SGLang's max(96, 16 x CPUs)); states come back in order."""
         defaults = _defaults(locals())
         if not batch_kwargs:
             return []
-        workers = len(batch_kwargs) if num_threads == "auto" else max(1, min(int(num_threads), len(batch_kwargs)))
+        wanted = max(96, 16 * (os.cpu_count() or 1)) if num_threads == "auto" else max(1, int(num_threads))
+        workers = min(wanted, len(batch_kwargs))
         states = [self._state(backend, defaults, False) for _ in batch_kwargs]
         bar = tqdm(total=len(states), desc=self.name, disable=not progress_bar)
         with ThreadPoolExecutor(workers, thread_name_prefix=f"lang-{self.name}") as pool:
