@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hicache.server.tools import FORMATS as TOOL_CALL_FORMATS
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -18,6 +20,7 @@ class ServerConfig:
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
     allowed_origins: str | None = field(default=None, metadata={"help": "Comma-separated origins (scheme://host[:port]) whose web pages may call the API from a browser (CORS), or '*' for any; default: none, and no CORS headers are sent."})
     request_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a client gets to send a request's headers (from its first byte, or from connecting) and, again, its body; then the server answers 408 and closes the connection."})
+    tool_call_parser: str | None = field(default=None, metadata={"help": "How tool calls look in the model's output: hermes (<tool_call>{...}</tool_call>) or llama3 (a bare JSON object); default: detected from the chat template (hermes when it says nothing)."})
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
@@ -29,6 +32,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if not self.request_read_timeout > 0:
             raise ValueError(f"request_read_timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
         for origin in self.origins():
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin such as https://example.com:8080")

@@ -15,6 +15,7 @@ try:
 except ImportError:  # transformers renders chat templates with jinja2; without it there are none
     TemplateError = ValueError
 
+from hicache.server.openai_tools import StreamShaper, ToolPlan, final_message, plan_tools
 from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from hicache.server.serving import (
     check_prompt,
@@ -45,6 +46,7 @@ class _Job:
     logprobs: bool
     echo: str | list[str] | None = None
     created: int = 0
+    tools: ToolPlan | None = None
 
     def envelope(self, choices: list, **extra) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -79,14 +81,15 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     tm = tm_of(request)
     model = check_model(request, body.model)
+    tools = plan_tools(body, getattr(tm.tokenizer, "chat_template", None), request.app.state.config.tool_call_parser)
     try:
-        ids = tm.apply_chat_template(body.template_messages())
+        ids = tm.apply_chat_template(tools.messages, tools.template_tools)
     except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
         raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
     check_prompt(tm, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,
-               created=int(time.time()))
+               created=int(time.time()), tools=tools)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     return await _run(request, tm, body, job, max_tokens, top)
 
@@ -124,7 +127,7 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
 
 
 async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_tokens: int | None, top: int):
-    sampling = body.sampling_dict()
+    sampling = body.sampling_dict() | (job.tools.constraint if job.tools else {})
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
     params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
@@ -151,12 +154,14 @@ def finish_reason_str(reason: dict | None) -> str | None:
 
 def _final_choice(tm, job: _Job, i: int, text: str, reason, logprobs: list, output_ids: list[int]) -> dict:
     lp = _logprobs(tm, job, output_ids[-len(logprobs):] if logprobs else [], logprobs, 0) if job.logprobs else None
+    finish = finish_reason_str(reason)
     if job.kind == "chat":
-        choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+        message, finish = final_message(job.tools, text, finish)
+        choice = {"index": i, "message": message, "logprobs": lp}
     else:
         text = (job.echo[i // job.n] if job.echo else "") + text
         choice = {"index": i, "text": text, "logprobs": lp}
-    choice["finish_reason"] = finish_reason_str(reason)
+    choice["finish_reason"] = finish
     choice["matched_stop"] = (reason or {}).get("matched")
     return choice
 
@@ -180,6 +185,7 @@ def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, te
 async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
     n_choices = len(job.prompts) * job.n
     metas: list[dict] = [{} for _ in range(n_choices)]
+    shapers = [StreamShaper(job.tools) for _ in range(n_choices)]
     try:
         for i in range(n_choices):
             yield _event(job.envelope([_delta(job, i, "", None, None, first=True)], chunk=True))
@@ -188,7 +194,10 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
                 yield _event(stream_error(chunk))
                 break
             metas[i] = chunk.meta
-            if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
+            if job.kind == "chat":
+                for event in _chat_events(tm, job, i, chunk, shapers[i]):
+                    yield event
+            elif chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
                 lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs else None
                 yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True))
         else:
@@ -199,10 +208,25 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
         await stream.aclose()
 
 
+def _chat_events(tm: TokenizerManager, job: _Job, i: int, chunk: Chunk, shaper: StreamShaper):
+    """A chat chunk's SSE events: its deltas (content or tool calls), the logprobs with the first
+    one, the finish reason with the last."""
+    finished = chunk.finish_reason is not None
+    deltas = shaper.deltas(chunk.text_delta, finished)
+    lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs and chunk.logprobs else None
+    if not deltas and (finished or lp is not None):
+        deltas = [{}]
+    for k, delta in enumerate(deltas):
+        choice = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
+        if finished and k == len(deltas) - 1:
+            choice["finish_reason"] = shaper.finish_reason(finish_reason_str(chunk.finish_reason))
+            choice["matched_stop"] = chunk.finish_reason.get("matched")
+        yield _event(job.envelope([choice], chunk=True))
+
+
 def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = False) -> dict:
     if job.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if first else {"content": text} if text else {}
-        choice = {"index": i, "delta": delta, "logprobs": lp}
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": lp}
     else:
         if first:
             text = job.echo[i // job.n] if job.echo else ""

@@ -242,6 +242,8 @@ class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None  # assistant turns; checked by server/tools.py
+    tool_call_id: Optional[str] = None  # tool turns
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -290,9 +292,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[TokenCount] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[TopLogprobs] = None
-
-    def template_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    tools: Optional[list[Any]] = None  # checked, with the two below, by server/tools.py
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: StrictBool = True
 
 
 PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]

@@ -227,9 +227,9 @@ class TokenizerManager:
         """Raises ValueError when the model has no tokenizer (send input_ids instead)."""
         return [int(t) for t in self._tok().encode(text, add_special_tokens=False)]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation plus the assistant prompt; ValueError if impossible."""
-        return apply_chat_template(self._tok(), messages)
+        return apply_chat_template(self._tok(), messages, tools)
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
