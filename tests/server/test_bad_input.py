@@ -480,10 +480,10 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     from jinja2 import TemplateError
     from starlette.testclient import TestClient
 
-    def refuse(_messages):
+    def refuse(_messages, _tools=None):
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse))) as c:
+    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse, tokenizer=None))) as c:
         r = c.post(CHAT, json=msg("hi"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
