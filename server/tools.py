@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 FORMATS = ("hermes", "llama3")
@@ -160,7 +161,7 @@ def check_history(messages: list[dict], param: str = "messages") -> None:
 def template_style(template: str | None, override: str | None = None) -> ToolStyle:
     """The tool-call format a chat template uses (or `override`), and whether it renders tools."""
     text = template or ""
-    native = re.search(r"\btools\b", text) is not None
+    native = "tools" in _template_variables(text)
     if override is not None:
         return ToolStyle(override, native)
     if "<tool_call>" in text:
@@ -168,6 +169,18 @@ def template_style(template: str | None, override: str | None = None) -> ToolSty
     if "<|python_tag|>" in text or ("<|start_header_id|>" in text and native):
         return ToolStyle("llama3", native)
     return ToolStyle("hermes", native)
+
+
+@lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a Jinja template reads from its context (none if it does not parse)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateError:
+        return frozenset()
 
 
 class Rendered(NamedTuple):

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from hicache.runtime.sampling import SamplingParams
+from server_harness import LIGHT_FLAGS, start_server
 
 pytestmark = pytest.mark.model
 needs_grammar = pytest.mark.skipif("ebnf" not in {f.name for f in dataclasses.fields(SamplingParams)},
@@ -197,3 +198,20 @@ def test_still_serving_after_bad_tools(client, model):
                                                                           "tool_call_id": "c1"}], max_tokens=2,
                             tool_choice="none")
     assert content and calls == []
+
+
+@pytest.mark.slow
+def test_llama3_format_through_a_server_of_its_own():
+    """--tool-call-parser llama3: the fallback writes calls as bare JSON and the answer is read so."""
+    handle = start_server(*LIGHT_FLAGS, "--skip-server-warmup", "--tool-call-parser", "llama3")
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        model = client.models.list().data[0].id
+        whole = complete(client, model, FEW_SHOT, max_tokens=30)
+        streamed = stream(client, model, FEW_SHOT, max_tokens=30)
+        for content, calls, _ in (whole, streamed):
+            assert calls and check_calls(calls, enforced=False)[0][0] == "get_weather"
+            assert '"parameters"' not in (content or "")
+        assert [c[1:] for c in streamed[1]] == [c[1:] for c in whole[1]] and streamed[0] == whole[0]
+    finally:
+        handle.stop()

@@ -129,6 +129,7 @@ def test_native_rendering_goes_through_the_template():
 
 def test_template_styles():
     assert template_style(None) == ToolStyle("hermes", False)
+    assert template_style("{{ 'You may use tools.' }}{{ messages[0].content }}") == ToolStyle("hermes", False)
     assert template_style("{{ '<|start_header_id|>' }}{% if tools %}{% endif %}") == ToolStyle("llama3", True)
     assert template_style("<|python_tag|>") == ToolStyle("llama3", False)
     assert template_style("<tool_call>{{ tools }}", "llama3") == ToolStyle("llama3", True)
@@ -160,3 +161,11 @@ def test_a_schema_the_grammar_cannot_use_names_the_tool():
     with pytest.raises(ToolError) as e:
         call_constraint(tools, ToolChoice("required"), "hermes", True)
     assert e.value.param == "tools.2.function.parameters"
+
+
+def test_the_parser_flag_is_checked():
+    from hicache.server.config import ServerConfig
+
+    assert ServerConfig(tool_call_parser="llama3").tool_call_parser == "llama3"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")
