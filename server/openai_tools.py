@@ -4,7 +4,7 @@ rendered (`plan_tools`), and the answer's calls shaped as OpenAI's `message.tool
 and `server/tool_grammar.py`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hicache.server.protocol import APIError, ChatCompletionRequest
 from hicache.server.tool_grammar import call_constraint
@@ -27,10 +27,10 @@ class ToolPlan:
 
     messages: list[dict]  # for the chat template
     template_tools: list[dict] | None  # the template's `tools` argument
-    constraint: dict = field(default_factory=dict)  # sampling fields that force the calls
-    style: ToolStyle | None = None
-    parallel: bool = True
-    parses: bool = False  # whether the answer is read for calls
+    constraint: dict  # sampling fields that force the calls ({} when none are forced)
+    style: ToolStyle
+    parallel: bool
+    parses: bool  # whether the answer is read for calls
 
     def parser(self) -> ToolParser | None:
         return ToolParser(self.style.format, self.parallel) if self.parses else None

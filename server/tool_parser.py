@@ -219,8 +219,7 @@ class ToolParser:
 
     def _call(self) -> list[Event] | None:
         call, more = self.call, self.pending
-        head = (call.text + more).lstrip()
-        if head and head[0] != "{":  # no JSON object: not a call
+        if not call.text.strip() and more.strip() and more.lstrip()[0] != "{":  # no JSON object: not a call
             return self._not_a_call(call.text + more)
         self.pending = ""
         deltas = call.feed(more)

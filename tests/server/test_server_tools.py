@@ -131,10 +131,10 @@ def test_auto_reads_the_calls_out_of_the_answer_streamed_or_not(client, model, a
 def test_none_renders_no_tools_and_reads_no_calls(client, model):
     plain = client.chat.completions.create(model=model, messages=FEW_SHOT, max_tokens=1)
     r = client.chat.completions.create(model=model, messages=FEW_SHOT, tools=TOOLS, tool_choice="none", temperature=0,
-                                       max_tokens=16)
+                                       max_tokens=8)
     assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens
-    streamed = stream(client, model, FEW_SHOT, max_tokens=16, tool_choice="none")
+    streamed = stream(client, model, FEW_SHOT, max_tokens=8, tool_choice="none")
     assert streamed[1] == [] and streamed[0] == r.choices[0].message.content
 
 
