@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.server.tool_parser import ToolDelta, ToolParser, parse_text
+from hicache.server.tools import format_call
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
 # (format, model output, expected content, expected [(name, arguments)])
@@ -95,3 +96,36 @@ def test_arguments_stream_as_they_are_written():
 def test_unknown_format():
     with pytest.raises(ValueError, match="format"):
         ToolParser("mistral")
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                           max_leaves=8)
+CALLS = st.lists(st.tuples(st.from_regex(r"[A-Za-z_][A-Za-z0-9_\-]{0,10}", fullmatch=True),
+                           st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4)), min_size=1, max_size=3)
+TEXTS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12).filter(
+    lambda t: "<tool_call>" not in t and "</tool_call>" not in t)
+
+
+@settings(max_examples=50, deadline=None)
+@given(calls=CALLS, texts=st.lists(TEXTS, min_size=4, max_size=4), cuts=st.lists(st.integers(0, 400), max_size=40))
+def test_random_calls_among_random_text_hermes(calls, texts, cuts):
+    """Any calls written in the Hermes format among any text read back, whole and in any chunking."""
+    segments = [texts[i % 4] for i in range(len(calls) + 1)]
+    out = segments[0]
+    for (name, args), text in zip(calls, segments[1:]):
+        out += format_call(name, json.dumps(args), "hermes") + text
+    kept = [s.lstrip() if i else s for i, s in enumerate(segments)]
+    content = "".join(s.rstrip() if i < len(calls) else s for i, s in enumerate(kept)) or None
+    streamed, rebuilt, _ = _stream("hermes", out, cuts)
+    assert streamed == content == parse_text(out, "hermes").content
+    assert [(name, json.loads(args)) for _, name, args in rebuilt] == calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls=CALLS, tag=st.booleans(), cuts=st.lists(st.integers(0, 400), max_size=40))
+def test_random_calls_llama3(calls, tag, cuts):
+    out = ("<|python_tag|>" if tag else "") + "; ".join(format_call(n, json.dumps(a), "llama3") for n, a in calls)
+    streamed, rebuilt, _ = _stream("llama3", out, cuts)
+    assert streamed is None and parse_text(out, "llama3").content is None
+    assert [(name, json.loads(args)) for _, name, args in rebuilt] == calls
