@@ -56,7 +56,8 @@ def _conversation(body: ChatCompletionRequest) -> list[dict]:
     """The messages in the neutral shape of `server/tools.py`."""
     out = []
     for i, m in enumerate(body.messages):
-        turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                **({"name": m.name} if m.name else {})}
         if m.tool_calls:
             if m.role != "assistant":
                 raise ToolError("only assistant messages carry tool calls", f"messages.{i}.tool_calls")

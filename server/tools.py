@@ -2,10 +2,10 @@
 how a conversation with tools is rendered through a chat template.
 
 An API route turns its body into `Tool`s (`parse_tools`), a `ToolChoice` (`parse_tool_choice`) and
-neutral messages (dicts with `role`, `content`, and `tool_calls: list[ToolCall]` on assistant
-turns or `tool_call_id` on tool results, checked by `check_history`); `render` prepares them for
-`apply_chat_template`. `server/tool_parser.py` reads calls back out of the model's text and
-`server/tool_grammar.py` builds the constraint that forces them.
+neutral messages (dicts with `role`, `content`, optionally `name`, and `tool_calls: list[ToolCall]`
+on assistant turns or `tool_call_id` on tool results, checked by `check_history`); `render`
+prepares them for `apply_chat_template`. `server/tool_parser.py` reads calls back out of the
+model's text and `server/tool_grammar.py` builds the constraint that forces them.
 
 A chat template that takes `tools` renders everything itself. One that does not gets the tools
 described in a system section and the calls written in the parser's own format, with tool results
@@ -205,7 +205,7 @@ def render(messages: list[dict], tools: list[Tool], choice: ToolChoice, style: T
 
 
 def _native(m: dict, messages: list[dict]) -> dict:
-    out = {"role": m["role"], "content": m.get("content") or ""}
+    out = {"role": m["role"], "content": m.get("content") or "", **({"name": m["name"]} if m.get("name") else {})}
     if m.get("tool_calls"):
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
@@ -231,8 +231,9 @@ def _fallback_turns(messages: list[dict], fmt: str) -> list[dict]:
             continue
         calls = [format_call(c.name, c.arguments, fmt) for c in m.get("tool_calls") or ()]
         joined = SEPARATORS[fmt].join(calls)
-        out.append({"role": m["role"], "content": f"{text}\n{joined}" if text and joined else text or joined})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+        out.append({"role": m["role"], "content": f"{text}\n{joined}" if text and joined else text or joined,
+                    **({"name": m["name"]} if m.get("name") else {})})
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
 
 
 SEPARATORS = {"hermes": "\n", "llama3": "; "}
