@@ -1,8 +1,9 @@
 """The FastAPI application: routes, API-key check, request limits, CORS, OpenAI-style errors.
 
-Middlewares, outermost first: CORS (only with --allowed-origins), the API key, then the request
-limits (URL 414, headers 431, body size 413, body read deadline 408), all before any route parses
-a body. Bodies themselves are checked by `protocol.parse_body` (415, 400).
+Middlewares, outermost first: the Host check (400 for names not allowed), CORS (only with
+--allowed-origins), the API key, the request limits (URL 414, headers 431, body size 413, body read
+deadline 408), all before any route parses a body, then the response write deadline. Bodies
+themselves are checked by `protocol.parse_body` (415, 400).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def create_app(tm: TokenizerManager, config: ServerConfig) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     _install_error_handlers(app)
+    app.add_middleware(WriteDeadlineMiddleware, timeout=config.response_write_timeout)
     app.add_middleware(RequestLimitsMiddleware, max_bytes=config.max_request_bytes,
                        read_timeout=config.request_read_timeout)
     if config.api_key:
@@ -48,6 +50,8 @@ def create_app(tm: TokenizerManager, config: ServerConfig) -> FastAPI:
     if config.origins():  # added last: runs first, so that preflights need no API key
         app.add_middleware(JSONCORSMiddleware, allow_origins=config.origins(), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
+    if config.hosts() is not None:
+        app.add_middleware(HostCheckMiddleware, hosts=config.hosts())
     return app
 
 
@@ -95,6 +99,60 @@ class ApiKeyMiddleware:
             return await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                      "authentication_error", "invalid_api_key")
         await self.app(scope, receive, send)
+
+
+class HostCheckMiddleware:
+    """Answers only requests whose Host header names an allowed host: a web page whose domain was
+    re-pointed at 127.0.0.1 (DNS rebinding) still sends its own domain as Host."""
+
+    def __init__(self, app, hosts: frozenset[str]) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host")
+            if host is not None and _host_name(host.decode("latin-1")) not in self.hosts:
+                return await _send_error(send, 400, "this server does not answer for the host named in the Host "
+                                         "header (see --allowed-hosts)", "invalid_request_error", "host_not_allowed")
+        await self.app(scope, receive, send)
+
+
+def _host_name(header: str) -> str:
+    """The Host header's name, lower case, without port or IPv6 brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header[1:]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class WriteDeadlineMiddleware:
+    """Bounds each write of a response: a client that stops reading (its socket buffers full)
+    makes a write wait; past `timeout` the app is cancelled (a stream's requests are aborted, their
+    pages freed) and the connection is closed."""
+
+    def __init__(self, app, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def bounded_send(message):
+            try:
+                await asyncio.wait_for(send(message), self.timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await self.app(scope, receive, bounded_send)
+        except _Stalled:
+            logger.warning("closed a connection whose client read nothing for %g s", self.timeout)
+
+
+class _Stalled(Exception):
+    pass
 
 
 class JSONCORSMiddleware(CORSMiddleware):

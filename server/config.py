@@ -17,7 +17,9 @@ class ServerConfig:
     skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
     allowed_origins: str | None = field(default=None, metadata={"help": "Comma-separated origins (scheme://host[:port]) whose web pages may call the API from a browser (CORS), or '*' for any; default: none, and no CORS headers are sent."})
+    allowed_hosts: str | None = field(default=None, metadata={"help": "Comma-separated host names (the Host header, port ignored) the server answers, or '*' for any; others get 400, which stops DNS-rebinding pages from reaching a local server. Default: the loopback names (localhost, 127.0.0.1, ::1) when bound to a loopback address, any host otherwise."})
     request_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a client gets to send a request's headers (from its first byte, or from connecting) and, again, its body; then the server answers 408 and closes the connection."})
+    response_write_timeout: float = field(default=60.0, metadata={"help": "Seconds one write of a response may wait for a client that stops reading it (a stalled stream); then its requests are aborted and the connection closed."})
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
@@ -29,6 +31,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if not self.request_read_timeout > 0:
             raise ValueError(f"request_read_timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if not self.response_write_timeout > 0:
+            raise ValueError(f"response_write_timeout must be > 0 seconds, got {self.response_write_timeout}")
         for origin in self.origins():
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin such as https://example.com:8080")
@@ -38,4 +42,17 @@ class ServerConfig:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
+    def hosts(self) -> frozenset[str] | None:
+        """The host names answered, lower case, without ports; None means any."""
+        names = {h.strip().lower().strip("[]") for h in (self.allowed_hosts or "").split(",") if h.strip()}
+        if "*" in names:
+            return None
+        if names:
+            return frozenset(names)
+        if self.host in LOOPBACK_HOSTS:
+            return LOOPBACK_HOSTS
+        return None
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
