@@ -483,7 +483,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     def refuse(_messages):
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse))) as c:
+    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse)), base_url="http://localhost") as c:
         r = c.post(CHAT, json=msg("hi"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
