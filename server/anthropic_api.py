@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field, StrictBool, ValidationError
+from pydantic import Field, StrictBool, StrictInt, ValidationError
 
 from hicache.server.error_styles import anthropic_error
-from hicache.server.protocol import APIError, Int64, Strict, TokenCount, describe_validation, parse_body
+from hicache.server.protocol import INT32_MAX, APIError, Int64, Strict, describe_validation, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     check_model,
@@ -74,7 +74,7 @@ class CountTokensRequest(Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: TokenCount = Field(ge=1)
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
     stop_sequences: Optional[list[str]] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None

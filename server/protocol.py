@@ -232,8 +232,12 @@ class Strict(Body):
 
 
 def _null_allowed(cls: type[BaseModel], name: str) -> bool:
+    """Whether `name: null` stays in the body: not for a field with a non-null default, nor for a
+    field that a `Strict` body does not know (null asks for nothing)."""
     f = cls.model_fields.get(name)
-    return f is None or f.is_required() or f.default is None
+    if f is None:
+        return cls.model_config.get("extra") != "forbid"
+    return f.is_required() or f.default is None
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------
