@@ -173,13 +173,13 @@ def _text(content: str | list[dict], path: str) -> str:
 
 
 def _message(msg_id: str, model: str, text: str, reason: dict | None, usage: dict) -> dict:
-    stop_reason, stop_sequence = _stop(reason)
+    reason_name, stop_sequence = stop_reason(reason)
     content = [{"type": "text", "text": text}] if reason is not None else []
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+            "stop_reason": reason_name, "stop_sequence": stop_sequence, "usage": usage}
 
 
-def _stop(reason: dict | None) -> tuple[str | None, str | None]:
+def stop_reason(reason: dict | None) -> tuple[str | None, str | None]:
     """(stop_reason, stop_sequence): max_tokens, stop_sequence (a stop string matched) or end_turn."""
     if reason is None:
         return None, None
@@ -211,10 +211,10 @@ async def _events(start: dict, first: Chunk, stream: AsyncIterator, prompt_token
             if chunk.text_delta:
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
                                                                            "text": chunk.text_delta}})
-        stop_reason, stop_sequence = _stop(last.finish_reason)
+        reason_name, stop_sequence = stop_reason(last.finish_reason)
         yield _event("content_block_stop", {"index": 0})
         usage = _usage(last.meta, prompt_tokens, last.meta.get("completion_tokens", len(last.output_ids)))
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        yield _event("message_delta", {"delta": {"stop_reason": reason_name, "stop_sequence": stop_sequence},
                                        "usage": usage})
         yield _event("message_stop", {})
     finally:

@@ -77,7 +77,7 @@ class Common(Strict):
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = []
     tools: Optional[list[Any]] = None
 
 
@@ -108,6 +108,8 @@ async def chat(request: Request):
     body = await parse_body(request, ChatRequest)
     tm = tm_of(request)
     _check(request, body)
+    if not body.messages:  # Ollama's way to load a model: nothing to generate
+        return _loaded(body, "message")
     ids = render_chat(tm, [m.model_dump() for m in body.messages], "messages")
     return await _run(request, tm, body, ids, "message")
 
@@ -117,8 +119,8 @@ async def generate(request: Request):
     body = await parse_body(request, GenerateRequest)
     tm = tm_of(request)
     _check(request, body)
-    if not body.prompt:  # Ollama's way to load a model: nothing to generate
-        return {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+    if not body.prompt:
+        return _loaded(body, "response")
     ids = list(body.context or [])
     if body.raw:
         ids += _encode(tm, body.prompt)
@@ -135,6 +137,12 @@ def _check(request: Request, body: Common) -> None:
     for name in UNSUPPORTED:
         if getattr(body, name, None):  # None, false, "" and [] ask for nothing
             raise APIError(400, f"{name}: not supported by this server", param=name, code="unsupported")
+
+
+def _loaded(body: Common, key: str) -> dict:
+    """The answer to a request without a prompt, Ollama's way to load a model (always loaded here)."""
+    empty = {"role": "assistant", "content": ""} if key == "message" else ""
+    return {"model": body.model, "created_at": _now(), key: empty, "done": True, "done_reason": "load"}
 
 
 def _encode(tm: TokenizerManager, text: str) -> list[int]:

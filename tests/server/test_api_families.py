@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
+from hicache.server.anthropic_api import stop_reason
 from hicache.server.app import create_app
 from hicache.server.cli import build_parser
 from hicache.server.config import ServerConfig
@@ -74,3 +75,10 @@ def test_the_key_in_either_header_and_middleware_errors_in_the_family_shape():
         assert c.get("/v1/models").json()["error"]["code"] == "invalid_api_key"
         big = c.post("/v1/messages", content=b"x" * 2048, headers={"x-api-key": "k", "content-type": "application/json"})
         assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+
+
+def test_anthropic_stop_reasons():
+    assert stop_reason({"type": "length"}) == ("max_tokens", None)
+    assert stop_reason({"type": "stop", "matched": 2}) == ("end_turn", None)  # a stop token: EOS
+    assert stop_reason({"type": "stop", "matched": "\n\n"}) == ("stop_sequence", "\n\n")
+    assert stop_reason(None) == (None, None)

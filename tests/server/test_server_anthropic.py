@@ -60,7 +60,7 @@ def test_stream_events_and_text(client, server):
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
-def test_stop_sequence_and_end_turn(client):
+def test_stop_sequence(client):
     base = client.messages.create(model=ALIAS, max_tokens=8, messages=QUESTION, extra_body=GREEDY).content[0].text
     words = [w for w in base.split() if len(w) >= 3]
     assert words, f"greedy output too short to pick a stop sequence: {base!r}"
@@ -68,9 +68,6 @@ def test_stop_sequence_and_end_turn(client):
     m = client.messages.create(model=ALIAS, max_tokens=8, messages=QUESTION, stop_sequences=[stop], extra_body=GREEDY)
     assert m.content[0].text == base[: base.find(stop)]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
-    done = client.messages.create(model=ALIAS, max_tokens=32, messages=[{"role": "user", "content": "Say hi."}],
-                                  extra_body=GREEDY)
-    assert done.stop_reason == ("end_turn" if done.usage.output_tokens < 32 else "max_tokens")
 
 
 def test_text_blocks_and_an_assistant_prefill(client):

@@ -51,7 +51,7 @@ def test_generate_raw_templated_and_context(client, oai):
     streamed = "".join(p.response for p in client.generate(model=ALIAS, prompt="The capital of France is", raw=True,
                                                            options=GREEDY, stream=True))
     assert streamed == raw.response
-    assert client.generate(model=ALIAS, prompt="").done_reason == "load"
+    assert client.generate(model=ALIAS, prompt="").done_reason == "load" == client.chat(model=ALIAS).done_reason
 
 
 def test_options_map_onto_sampling(client, oai):
