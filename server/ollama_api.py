@@ -94,7 +94,7 @@ class GenerateRequest(Common):
 class ShowRequest(Strict):
     model: Optional[str] = None
     name: Optional[str] = None  # the older spelling of model
-    verbose: Optional[StrictBool] = None
+    verbose: Optional[StrictBool] = None  # the answer holds no tensor or vocabulary lists either way
 
 
 UNSUPPORTED = ("format", "think", "tools", "images", "suffix", "template")
@@ -123,6 +123,9 @@ async def generate(request: Request):
         return _loaded(body, "response")
     ids = list(body.context or [])
     if body.raw:
+        if body.system:
+            raise APIError(400, "system: a raw prompt is not templated, so it takes no system prompt",
+                           param="system", code="invalid_value")
         ids += _encode(tm, body.prompt)
     else:
         turns = ([{"role": "system", "content": body.system}] if body.system else []) + [

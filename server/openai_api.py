@@ -81,6 +81,9 @@ async def completions(request: Request):
     model = check_model(request, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
+                       param="best_of", code="unsupported")
     prompts = _prompt_ids(tm, body.prompt)
     echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
     job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model, prompts, body.n, body.logprobs is not None,

@@ -329,6 +329,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     logprobs: Optional[TopLogprobs] = None
     suffix: Optional[str] = None
+    best_of: Optional[StrictInt] = None  # only n: the best n of n samples are all of them
 
 
 # ---- native ---------------------------------------------------------------------------------

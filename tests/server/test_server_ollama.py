@@ -105,3 +105,6 @@ def test_unknown_model_and_field(client, server):
     assert e.value.status_code == 404 and "llama3.2" in e.value.error
     r = httpx.post(server.url + "/api/generate", json={"model": ALIAS, "prompt": "x", "images": ["aGk="]}, timeout=30)
     assert r.status_code == 400 and r.json() == {"error": "images: not supported by this server"}
+    r = httpx.post(server.url + "/api/generate", json={"model": ALIAS, "prompt": "x", "raw": True, "system": "s"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"].startswith("system")
