@@ -10,7 +10,7 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."})
     port: int = field(default=30000, metadata={"help": "TCP port to listen on."})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on every route but /health."})
-    served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by /v1/models and expected in requests; default: the model's own name."})
+    served_model_name: tuple[str, ...] = field(default=(), metadata={"help": "Model names (one or more, space-separated) that requests may name, besides --model-path as given; the first is the name responses report. Default: the model's own name."})
     max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
     startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
@@ -23,6 +23,10 @@ class ServerConfig:
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name given as a plain string
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        if any(not name for name in self.served_model_name):
+            raise ValueError("served_model_name: a model name must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1024:

@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import SamplingParams
-from hicache.server.openai_api import SSE_HEADERS, stream_error, tm_of
 from hicache.server.protocol import (
     AbortReqInput,
     APIError,
@@ -26,6 +25,7 @@ from hicache.server.protocol import (
     require_json,
 )
 from hicache.server.serving import (
+    SSE_HEADERS,
     check_prompt,
     check_sampling,
     collect,
@@ -33,6 +33,8 @@ from hicache.server.serving import (
     make_requests,
     resolve_max_tokens,
     stream_all,
+    stream_error,
+    tm_of,
 )
 from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerManager
 

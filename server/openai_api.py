@@ -10,27 +10,26 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-try:
-    from jinja2 import TemplateError
-except ImportError:  # transformers renders chat templates with jinja2; without it there are none
-    TemplateError = ValueError
-
-from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from hicache.server.serving import (
+    SSE_HEADERS,
+    check_model,
     check_prompt,
     check_sampling,
     collect,
     first_then_rest,
     make_requests,
+    render_chat,
     resolve_max_tokens,
     stream_all,
+    stream_error,
+    tm_of,
     usage,
 )
-from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+from hicache.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 OPENAI_RENAMES = {"max_new_tokens": "max_tokens"}
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass
@@ -53,25 +52,13 @@ class _Job:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
-def tm_of(request: Request) -> TokenizerManager:
-    return request.app.state.tm
-
-
-def check_model(request: Request, model: str | None) -> str:
-    names = request.app.state.model_names
-    if model is not None and model not in names:
-        raise APIError(404, f"The model `{model}` does not exist. Available: {names[0]!r}.", param="model",
-                       code="model_not_found")
-    return names[0]
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     tm = tm_of(request)
-    name = request.app.state.model_names[0]
     return {"object": "list", "data": [{"id": name, "object": "model", "created": request.app.state.started,
                                         "owned_by": "hicache", "root": tm.info.model_name,
-                                        "max_model_len": tm.info.context_length}]}
+                                        "max_model_len": tm.info.context_length}
+                                       for name in request.app.state.served_names]}
 
 
 @router.post("/v1/chat/completions")
@@ -79,11 +66,7 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     tm = tm_of(request)
     model = check_model(request, body.model)
-    try:
-        ids = tm.apply_chat_template(body.template_messages())
-    except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
-        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-    check_prompt(tm, ids, "messages")
+    ids = render_chat(tm, body.template_messages(), "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,
                created=int(time.time()))
@@ -98,6 +81,9 @@ async def completions(request: Request):
     model = check_model(request, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
+                       param="best_of", code="unsupported")
     prompts = _prompt_ids(tm, body.prompt)
     echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
     job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model, prompts, body.n, body.logprobs is not None,
@@ -134,7 +120,7 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
         if first[1].error is not None:
             await rest.aclose()
             raise APIError(first[1].error_status, first[1].error)
-        events = _sse(tm, job, rest, body.include_usage)
+        events = _sse(tm, job, rest, body.include_usage, body.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(tm, reqs, request)
     choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids)
@@ -177,7 +163,10 @@ def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, te
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
 
 
-async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool,
+               continuous: bool) -> AsyncIterator[str]:
+    """Chunks, then the usage chunk (`include_usage`); with `continuous`, every chunk also
+    carries the usage so far."""
     n_choices = len(job.prompts) * job.n
     metas: list[dict] = [{} for _ in range(n_choices)]
     try:
@@ -190,7 +179,9 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
             metas[i] = chunk.meta
             if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
                 lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs else None
-                yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True))
+                extra = {"usage": usage(metas, [len(p) for p in job.prompts], job.n)} if continuous else {}
+                yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True,
+                                          **extra))
         else:
             if include_usage:
                 yield _event(job.envelope([], chunk=True, usage=usage(metas, [len(p) for p in job.prompts], job.n)))
@@ -211,13 +202,6 @@ def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = 
     if reason is not None:
         choice["matched_stop"] = reason.get("matched")
     return choice
-
-
-def stream_error(chunk: Chunk) -> dict:
-    """The error event that ends a stream whose request failed after the headers were sent."""
-    if chunk.error_status == 503:
-        return error_body(chunk.error, "service_unavailable", None, "service_unavailable")
-    return error_body(chunk.error, code="request_failed")
 
 
 def _event(obj: dict) -> str:

@@ -225,6 +225,14 @@ TYPES_AND_VALUES = [
     Case("logprobs a string", "POST", CHAT, chat(logprobs="x"), param="logprobs"),
     Case("echo a string", "POST", CMPL, cmpl(echo="x"), param="echo"),
     Case("suffix unsupported", "POST", CMPL, cmpl(suffix="x"), param="suffix"),
+    Case("chat unknown field", "POST", CHAT, chat(reasoning_effort="high"), param="reasoning_effort"),
+    Case("chat functions", "POST", CHAT, chat(functions=[{"name": "f"}]), param="functions"),
+    Case("chat store true", "POST", CHAT, chat(store=True), param="store"),
+    Case("message unknown field", "POST", CHAT, {"messages": [{"role": "user", "content": "hi", "audio": {}}]},
+         param="messages.0.audio"),
+    Case("stream_options unknown field", "POST", CHAT, chat(stream_options={"x": 1}), param="stream_options.x"),
+    Case("completions best_of", "POST", CMPL, cmpl(best_of=2), param="best_of"),
+    Case("generate unknown field", "POST", GEN, gen(lora_path="x"), param="lora_path"),
     Case("temperature a word", "POST", CHAT, chat(temperature="hot"), param="temperature"),
     Case("temperature -1", "POST", CHAT, chat(temperature=-1), param="temperature"),
     Case("top_p 0", "POST", CMPL, cmpl(top_p=0), param="top_p"),
@@ -433,7 +441,7 @@ def test_bare_flush_cache_post_of_sglang_clients(http, before):
 
 def test_null_means_the_default(http, before):
     r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": None, "n": None, "stream": None, "logprobs": None,
-                              "temperature": None, "echo": None})
+                              "temperature": None, "echo": None, "best_of": None})  # null asks for nothing
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16 and len(r.json()["choices"]) == 1
 
