@@ -177,7 +177,7 @@ def test_fingerprint_stable_and_distinct(llama31_config_path):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"architectures": ["Qwen2ForCausalLM"]}, "unsupported architecture"),
+    ({"architectures": ["FalconForCausalLM"]}, "unsupported architecture.*Qwen3MoeForCausalLM"),
     ({"attention_bias": True}, "bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type"),
@@ -189,4 +189,4 @@ def test_model_config_rejects_unsupported(llama31_config_path, change, match):
         ModelConfig.from_hf_config({**d, **change})
     if "architectures" in change:
         with pytest.raises(ValueError):
-            get_model_class("Qwen2ForCausalLM")
+            get_model_class("FalconForCausalLM")

@@ -124,7 +124,7 @@ def test_bad_paths(tmp_path, tiny_config_path):
 
 def test_unsupported_architecture(tmp_path, tiny_config_path):
     d = json.loads(tiny_config_path.read_text())
-    d["architectures"] = ["Qwen2ForCausalLM"]
+    d["architectures"] = ["FalconForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(tmp_path, load_format="dummy")

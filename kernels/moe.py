@@ -1,0 +1,120 @@
+"""Fused mixture-of-experts MLP in Triton: a grouped GEMM over tokens sorted by expert.
+
+Computes what `hicache.kernels.experts.moe_reference` computes (same arguments and result). The
+T*K (token, k) pairs are sorted by expert into blocks of `block_m` rows, each expert's run padded
+to whole blocks (`align`). One launch of `_moe_gemm` multiplies each block by its expert's gate
+and up rows and applies SiLU-mul; a second multiplies by the expert's down matrix and the
+routing weight; a sum over k finishes. Nothing waits for the host: grids are sized for the worst
+case and blocks past the padded end exit at once, so the path is CUDA-graph safe.
+
+Needs triton and a CUDA device (or the interpreter); import this module lazily.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hicache.kernels.checks import dot_precision, on_cuda, require
+
+
+class Alignment(NamedTuple):
+    sorted_pairs: torch.Tensor  # [P] int64: pair ids (t * K + k) grouped by expert; T * K marks padding
+    block_expert: torch.Tensor  # [P // block_m] int64: the expert of each block of rows
+    num_padded: torch.Tensor  # [1] int64: rows in use; blocks from there on exit
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Pairs sorted by expert, each expert's run padded to a multiple of block_m."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    expert = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert]
+    size = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m) * block_m
+    sorted_pairs = torch.full((size,), n, dtype=torch.int64, device=dev)
+    sorted_pairs[(ends - padded)[expert] + rank] = order
+    starts = torch.arange(0, size, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return Alignment(sorted_pairs, block_expert, ends[-1:])
+
+
+@triton.jit
+def _moe_gemm(A, B, C, Weights, Pairs, BlockExpert, NumPadded, num_pairs, n, k, a_div,
+              stride_a, stride_be, stride_bn, stride_c,
+              GATED: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair, :n] = act(A[pair // a_div] @ B[e, :n].T) (times the pair's weight when WEIGHTED);
+    GATED: B[e] holds 2n rows (gate, then up) and act is silu(gate) * up."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    pairs = tl.load(Pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = (pairs // a_div).to(tl.int64)
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_a + ks[None, :]
+    b_ptrs = B + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kmask = k0 + ks < k
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & (cols[None, :] < n)
+        acc = tl.dot(a, tl.load(b_ptrs, mask=bmask, other=0.0), acc, input_precision=PRECISION)
+        if GATED:
+            up = tl.load(b_ptrs + n * stride_bn, mask=bmask, other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if GATED:  # rounded to the dtype before the product, as the torch path rounds
+        gate = (acc / (1.0 + tl.exp(-acc))).to(C.dtype.element_ty).to(tl.float32)
+        acc = gate * acc_up.to(C.dtype.element_ty).to(tl.float32)
+    if WEIGHTED:
+        acc = acc * tl.load(Weights + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = C + pairs[:, None].to(tl.int64) * stride_c + cols[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < n))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in
+    x's dtype. block_m defaults by the number of pairs (small blocks when experts get few rows)."""
+    on_cuda(x=x, w13=w13, w2=w2, topk_ids=topk_ids)
+    t, h = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    require(w13.dim() == 3 and w13.shape[2] == h and tuple(w2.shape) == (num_experts, h, inter),
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    require(x.dtype == w13.dtype == w2.dtype, f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    require(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "x, w13 and w2 need a contiguous last dim")
+    require(topk_weights.shape == topk_ids.shape and topk_ids.shape[0] == t,
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{t}, K]")
+    k = topk_ids.shape[1]
+    n = t * k
+    block_m = block_m or (16 if n <= 4 * num_experts else 64)
+    al = align(topk_ids, num_experts, block_m)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _launch(x, w13, act, weights, al, k, inter, h, True, block_m)
+    out = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _launch(act, w2, out, weights, al, 1, h, inter, False, block_m)
+    return out.view(t, k, h).sum(dim=1)
+
+
+def _launch(a, b, c, weights, al: Alignment, a_div: int, n: int, k: int, gated: bool, block_m: int) -> None:
+    block_n, block_k = 64, 64
+    blocks = al.sorted_pairs.numel() // block_m
+    if blocks == 0:
+        return
+    _moe_gemm[(blocks, triton.cdiv(n, block_n))](
+        a, b, c, weights, al.sorted_pairs, al.block_expert, al.num_padded, c.shape[0], n, k, a_div,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        GATED=gated, WEIGHTED=not gated, PRECISION=dot_precision(a.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
