@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.batch import ForwardBatch
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models import get_model_class
+from hicache.runtime.models.moe import covered_names
 from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer
 from hicache.runtime.weights import load_model
 from hicache.runtime.weights.gguf import GGUFCheckpoint
 from hicache.tiers.gpu.pool import DeviceKVPool
 
+REPO = Path(__file__).resolve().parents[2]
 LOGIT_TOL = 1e-4
 PAGE = 4
 NEW_TOKENS = 10  # more than two pages: decoding outgrows the pool's headroom
@@ -109,3 +112,25 @@ def test_qwen3_moe_config_reads_every_spelling():
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig.from_hf_config({**d, "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("name, total", [("qwen3-8b", 8.19e9), ("qwen3-30b-a3b", 30.53e9)])
+def test_shipped_configs_build_hf_shapes(name, total):
+    """benchmarks/configs/<name>.json read by HF (Qwen3Config / Qwen3MoeConfig) and by us: the same
+    parameters, tensor by tensor (both on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = REPO / "benchmarks" / "configs" / f"{name}.json"
+    d = json.loads(path.read_text())
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d))
+    cfg = ModelConfig.from_json_file(path)
+    ours = get_model_class(cfg.architecture)(cfg, dtype=torch.bfloat16, device="meta")
+    want = {n: tuple(p.shape) for n, p in hf.state_dict().items()}
+    for n, shape in want.items():
+        dst = ours._target(n)
+        assert dst is not None and tuple(dst.shape) == shape, n
+    ours.check_loaded(set().union(*(covered_names(n, cfg.moe.num_experts if cfg.moe else 0) for n in want)))
+    n_params = sum(p.numel() for p in ours.parameters())
+    assert n_params == sum(p.numel() for p in hf.parameters())
+    assert abs(n_params - total) / total < 0.01
