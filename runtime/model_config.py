@@ -94,10 +94,15 @@ class ModelConfig:
 
     @property
     def fingerprint(self) -> str:
-        """16 hex digits of sha256 over every field but the token ids (they do not change KV)."""
+        """16 hex digits of sha256 over every field but the token ids (they do not change KV).
+        Family options at their defaults are left out: a Llama's fingerprint, and the L3 keys it
+        seeds, do not depend on which options exist."""
         d = asdict(self)
         d.pop("bos_token_id")
         d.pop("eos_token_ids")
+        for option in ("qkv_bias", "qk_norm", "moe"):
+            if not d[option]:
+                d.pop(option)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

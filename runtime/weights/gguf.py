@@ -7,8 +7,9 @@ the scalars and tensor offsets, which parse in a small fraction of that. Tensors
 files llama.cpp's converter permutes the rows of q and k weights for its interleaved RoPE;
 `_unpermute` undoes it exactly as transformers' GGUF loader does
 (`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF. Qwen files
-keep HF's row order. A `llama` file with experts is Mixtral; experts come as one stacked tensor
-per layer and projection (`ffn_gate_exps`, ...), which the model loads whole.
+keep HF's row order. A `llama` file with experts is Mixtral. Experts come as one stacked tensor
+per layer and projection (`ffn_gate_exps`, ...), which the model loads whole, or in older
+Mixtral files as one tensor per expert (`ffn_gate.3.weight`).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _PREFETCH = 8  # tensors dequantised ahead of the consumer
 
 
@@ -113,6 +115,9 @@ def hf_name(gguf_name: str) -> str | None:
     m = _BLK_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:  # older Mixtral files: one tensor per expert
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
     return None
 
 

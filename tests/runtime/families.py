@@ -58,12 +58,15 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
     return out[0, len(prompt):].tolist()
 
 
-def write_gguf(model: torch.nn.Module, path: Path, arch: str) -> Path:
-    """model's weights and config as an fp32 GGUF file (no tokenizer)."""
+def write_gguf(model: torch.nn.Module, path: Path, arch: str, tokenizer_from: Path | None = None) -> Path:
+    """model's weights and config as an fp32 GGUF file, with the tokenizer metadata (vocabulary,
+    merges, special ids, chat template) of the GGUF `tokenizer_from` if given."""
     import gguf
 
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if tokenizer_from is not None:
+        _copy_tokenizer(w, tokenizer_from)
     for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("attention.head_count", c.num_attention_heads),
@@ -90,6 +93,22 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str) -> Path:
     return path
 
 
+def _copy_tokenizer(w, source: Path) -> None:
+    from hicache.runtime.weights.gguf import GGUFFile
+
+    for key, value in GGUFFile(source).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, value)
+
+
 _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
                "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
                "mlp.experts.down_proj": "ffn_down_exps.weight", "mlp.shared_expert_gate.weight":
@@ -113,7 +132,7 @@ def _gguf_tensors(model: torch.nn.Module, arch: str):
 
 
 def _layer_tensor(rest: str, t: torch.Tensor, c, arch: str):
-    if rest in _GGUF_NAMES:
+    if rest in _GGUF_NAMES and not (rest == "mlp.experts.down_proj" and arch == "llama"):
         yield _GGUF_NAMES[rest], t.reshape(-1) if rest.endswith("shared_expert_gate.weight") else t
     elif rest.startswith("self_attn.") and rest[10] in "qkv" and rest[11:17] == "_proj.":
         p, suffix = rest[10], rest[17:]
@@ -121,6 +140,10 @@ def _layer_tensor(rest: str, t: torch.Tensor, c, arch: str):
         yield f"attn_{p}.{suffix}", _permute(t, heads) if arch == "llama" and p != "v" else t
     elif rest.startswith("self_attn.") and rest.endswith("_norm.weight"):
         yield f"attn_{rest[10]}_norm.weight", t
+    elif rest.startswith("mlp.experts.") and arch == "llama":  # Mixtral as older files hold it: per expert
+        stacks = dict(zip(("gate", "up"), t.chunk(2, dim=1))) if rest.endswith("gate_up_proj") else {"down": t}
+        for proj, stack in stacks.items():
+            yield from ((f"ffn_{proj}.{e}.weight", m) for e, m in enumerate(stack))
     elif rest == "mlp.experts.gate_up_proj":
         gate, up = t.chunk(2, dim=1)
         yield "ffn_gate_exps.weight", gate

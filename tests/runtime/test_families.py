@@ -82,6 +82,19 @@ def test_gguf_logits_match_hf(tiny, tmp_path, prompt_logits):
     assert (prompt_logits(model, ids) - _hf_logits(tiny.hf, ids)).abs().max().item() < LOGIT_TOL
 
 
+@pytest.mark.slow  # writing and reading a 49k-token vocabulary through the gguf package takes a while
+def test_qwen3_gguf_with_tokenizer_and_chat_template(tmp_path, default_model_path, prompt_logits):
+    """A qwen3 GGUF through load_model: the architecture, the weights and, from its metadata, the
+    tokenizer and chat template (here the default model's, copied in)."""
+    hf = hf_model("qwen3", seed=1)
+    path = write_gguf(hf, tmp_path / "qwen3.gguf", "qwen3", tokenizer_from=default_model_path)
+    loaded = load_model(path)
+    assert loaded.config.architecture == "Qwen3ForCausalLM" and loaded.config.qk_norm
+    ids = apply_chat_template(loaded.tokenizer, [{"role": "user", "content": "Name three colours."}])
+    assert ids == apply_chat_template(load_tokenizer(default_model_path), [{"role": "user", "content": "Name three colours."}])
+    assert (prompt_logits(loaded.model, ids) - _hf_logits(hf, ids)).abs().max().item() < LOGIT_TOL
+
+
 def test_engine_greedy_matches_hf(tiny):
     """Round 1: four prompts at once, prefill in chunks of 16, a pool that forces a retraction.
     Round 2: the same prompts plus a new tail, their prefixes from the radix cache, most of them
@@ -99,6 +112,18 @@ def test_engine_greedy_matches_hf(tiny):
     assert stats["retractions"] > 0, stats
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
     assert stats["tiers"]["host"]["loaded_back_tokens"] > 0, stats["tiers"]["host"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_on_cuda_matches_hf(tiny):
+    """The CUDA path (Triton attention, fused RMSNorm/RoPE kernels, the fused MoE, CUDA graphs), fp32."""
+    prompts = _prompts(5, (37, 22, 45, 30))
+    with make_engine(tiny.folder, device="cuda", dtype="float32", page_size=PAGE, attention_backend="triton",
+                     max_total_tokens=4096) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
+        engine.check_integrity()
+    assert [o["output_ids"] for o in outs] == [hf_greedy(tiny.hf, p, NEW_TOKENS) for p in prompts]
 
 
 def test_qwen3_moe_config_reads_every_spelling():

@@ -172,6 +172,7 @@ def test_fingerprint_stable_and_distinct(llama31_config_path):
     assert len(a.fingerprint) == 16 and hash(a) == hash(ModelConfig.from_hf_config(d, name="x"))
     assert a.fingerprint != ModelConfig.from_hf_config(d, name="y").fingerprint
     assert a.fingerprint != ModelConfig.from_hf_config({**d, "num_key_value_heads": 4}, name="x").fingerprint
+    assert a.fingerprint != ModelConfig(**{**a.__dict__, "qk_norm": True}).fingerprint  # a family option
     # token ids do not change KV: same fingerprint
     assert a.fingerprint == ModelConfig.from_hf_config({**d, "eos_token_id": [1, 2]}, name="x").fingerprint
 
