@@ -135,14 +135,19 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(t, self.inv_freq)
             self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dev)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype).
+        qk_norm: per-head RMSNorms applied to q and k first (one launch with the rotation on CUDA)."""
         if self.cos_sin is None or self.cos_sin.device != positions.device:
             self.ensure(self.max_positions, positions.device)
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
             self.ensure(2 * int(positions.max()) + 1, positions.device)
         if positions.is_cuda and _cuda_kernels() is not None:  # one launch for q and k
-            return _cuda_kernels().rope(positions, q, k, self.cos_sin)
+            norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            return _cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[0].weight, qk_norm[0].eps), rms_norm(k, qk_norm[1].weight, qk_norm[1].eps)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -171,10 +176,7 @@ class LlamaAttention(nn.Module):
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, before RoPE
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = rope(positions, q, k)
+        q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
         return linear(out.reshape(T, self.q_size), self.o_proj)
 
