@@ -69,6 +69,18 @@ def test_folder_logits_match_hf_with_cached_prefix(tiny):
     assert loaded.tokenizer.decode(apply_chat_template(loaded.tokenizer, msgs)).endswith("<|im_start|>assistant\n")
 
 
+def test_dummy_weights_from_the_config(tiny, tmp_path, prompt_logits):
+    """load_format=dummy on the family's config.json: every parameter filled (biases and experts
+    random, norms 1), finite logits."""
+    (tmp_path / "config.json").write_text((tiny.folder / "config.json").read_text())
+    loaded = load_model(tmp_path / "config.json", load_format="dummy", seed=3)
+    params = dict(loaded.model.named_parameters())
+    for name, p in params.items():
+        assert torch.isfinite(p).all(), name
+        assert bool((p == 1).all()) == ("norm" in name), name
+    assert torch.isfinite(prompt_logits(loaded.model, [5, 6, 7])).all()
+
+
 def test_gguf_logits_match_hf(tiny, tmp_path, prompt_logits):
     path = write_gguf(tiny.hf, tmp_path / f"{tiny.name}.gguf", SPECS[tiny.name][2])
     ckpt = GGUFCheckpoint(path)
