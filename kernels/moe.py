@@ -21,27 +21,63 @@ from hicache.kernels.checks import dot_precision, on_cuda, require
 
 
 class Alignment(NamedTuple):
-    sorted_pairs: torch.Tensor  # [P] int64: pair ids (t * K + k) grouped by expert; T * K marks padding
-    block_expert: torch.Tensor  # [P // block_m] int64: the expert of each block of rows
-    num_padded: torch.Tensor  # [1] int64: rows in use; blocks from there on exit
+    sorted_pairs: torch.Tensor  # [P] int32: pair ids (t * K + k) grouped by expert; T * K marks padding
+    block_expert: torch.Tensor  # [P // block_m] int32: the expert of each block of rows
+    num_padded: torch.Tensor  # [1] int32: rows in use; blocks from there on exit
+
+
+@triton.jit
+def _count(Ids, Counts, Rank, n, BLOCK: tl.constexpr):
+    """Rank[i] = how many pairs before this one (in atomic order) chose the same expert."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    expert = tl.load(Ids + i, mask=mask, other=0)
+    tl.store(Rank + i, tl.atomic_add(Counts + expert, 1, mask=mask), mask=mask)
+
+
+@triton.jit
+def _offsets(Counts, Starts, BlockExpert, NumPadded, num_experts, num_blocks, block_m,
+             BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: each expert's first row (runs padded to whole blocks), each block's expert."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(Counts + e, mask=e < num_experts, other=0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, 0)
+    tl.store(Starts + e, ends - padded, mask=e < num_experts)
+    tl.store(NumPadded, tl.sum(padded, 0))
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        row = b * block_m
+        expert = tl.sum((ends[None, :] <= row[:, None]) & (e[None, :] < num_experts), 1)
+        tl.store(BlockExpert + b, tl.minimum(expert, num_experts - 1), mask=b < num_blocks)
+
+
+@triton.jit
+def _place(Ids, Rank, Starts, Sorted, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    expert = tl.load(Ids + i, mask=mask, other=0)
+    slot = tl.load(Starts + expert, mask=mask, other=0) + tl.load(Rank + i, mask=mask, other=0)
+    tl.store(Sorted + slot, i, mask=mask)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Pairs sorted by expert, each expert's run padded to a multiple of block_m."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    """Pairs grouped by expert (in no particular order within an expert), each expert's run padded
+    to a multiple of block_m: three small launches, no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int32)
     n, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    expert = flat[order]
-    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert]
     size = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m) * block_m
-    sorted_pairs = torch.full((size,), n, dtype=torch.int64, device=dev)
-    sorted_pairs[(ends - padded)[expert] + rank] = order
-    starts = torch.arange(0, size, block_m, device=dev)
-    block_expert = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
-    return Alignment(sorted_pairs, block_expert, ends[-1:])
+    sorted_pairs = torch.full((size,), n, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)  # the last: the padded total
+    starts, rank = torch.empty(num_experts, dtype=torch.int32, device=dev), torch.empty_like(flat)
+    if n:
+        block = 1024
+        _count[(triton.cdiv(n, block),)](flat, counts, rank, n, BLOCK=block)
+        _offsets[(1,)](counts, starts, block_expert, counts[num_experts:], num_experts, size // block_m, block_m,
+                       BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=64)
+        _place[(triton.cdiv(n, block),)](flat, rank, starts, sorted_pairs, n, BLOCK=block)
+    return Alignment(sorted_pairs, block_expert, counts[num_experts:])
 
 
 @triton.jit

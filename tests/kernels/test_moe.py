@@ -51,9 +51,9 @@ def test_fused_moe_block_sizes_agree(block_m):
     assert rel_err(fused_moe(x, w13, w2, weights, ids, block_m=block_m), moe_reference(x, w13, w2, weights, ids)) < 1e-5
 
 
-def test_align_groups_pairs_by_expert_in_whole_blocks():
-    experts, block = 6, 4
-    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(11)]).to(DEV)  # fresh routes
+@pytest.mark.parametrize("tokens,experts,top_k,block", [(11, 6, 2, 4), (700, 64, 4, 16)])
+def test_align_groups_pairs_by_expert_in_whole_blocks(tokens, experts, top_k, block):
+    ids = torch.rand(tokens, experts).argsort(dim=-1)[:, :top_k].to(DEV)  # fresh routes, distinct per token
     al = align(ids, experts, block)
     n, used = ids.numel(), int(al.num_padded)
     pairs = al.sorted_pairs[:used].cpu()
