@@ -2,11 +2,13 @@
 
     python benchmarks/gpu_models.py [--parts qwen3-8b,qwen3-30b-a3b,moe-kernel] [--floors floors.json]
                                     [--json out.json] [--decode-batches 1,64] [--context 2048]
+                                    [--overlap on|off] [--sweep]
 
 Parts: `qwen3-8b` and `qwen3-30b-a3b` (benchmarks/configs/<part>.json through the Engine: decode
-steps at each batch with `--context` tokens of context, CUDA graphs on, overlap off, then an 8k
-prefill), `moe-kernel` (the fused MoE of one Qwen3-30B-A3B layer alone, tokens routed uniformly
-at random, against the grouped-GEMM bound and the torch reference loop).
+steps at each batch with `--context` tokens of context, CUDA graphs on, overlap scheduling as
+`--overlap` says, then an 8k prefill), `moe-kernel` (the fused MoE of one Qwen3-30B-A3B layer
+alone, tokens routed uniformly at random, against the grouped-GEMM bound and the torch reference
+loop; `--sweep` also times a grid of launch shapes and prints the fastest for each token count).
 
 Floors, from gpu.py's measured device-to-device bandwidth and bf16 GEMM rate: a decode step
 reads the dense weights (lm_head included, the embedding excluded), the experts the batch
@@ -74,14 +76,14 @@ def engine(config: Path, **options):
                   hicache_storage_backend="none", **options)
 
 
-def model_part(f: dict, name: str, batches: list[int], context: int) -> dict:
+def model_part(f: dict, name: str, batches: list[int], context: int, overlap: bool) -> dict:
     config = CONFIGS / f"{name}.json"
     s, out, rng, steps = shape(config), {}, torch.Generator().manual_seed(0), 32
     row(f"{name}: parameters read by a decode step at batch 1", f"{s.decode_bytes(1, 0) / 2e9:.2f} B",
         f"active per token {s.active_params() / 1e9:.2f} B")
     with engine(config, max_running_requests=max(batches), chunked_prefill_size=8192, max_prefill_tokens=32768,
                 context_length=16384) as eng:
-        set_overlap(eng, False)
+        set_overlap(eng, overlap)
         capacity = eng.get_stats()["tiers"]["device"]["capacity_tokens"]
         row(f"{name}: L1 pool", f"{capacity} tokens")
         for batch in batches:
@@ -109,10 +111,14 @@ def model_part(f: dict, name: str, batches: list[int], context: int) -> dict:
     return out
 
 
-def moe_kernel(f: dict, token_counts=(1, 64, 512, 8192)) -> dict:
+SWEEP = [(bm, bn, bk, w, st) for bm in (16, 32, 64) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8)
+         for st in (3, 4)]
+
+
+def moe_kernel(f: dict, token_counts=(1, 64, 512, 8192), sweep: bool = False) -> dict:
     """One Qwen3-30B-A3B layer's experts: fused kernel vs its bound (and the torch loop)."""
     from hicache.kernels.experts import moe_reference
-    from hicache.kernels.moe import fused_moe
+    from hicache.kernels.moe import Tiles, fused_moe
 
     hidden, inter, experts, k = 2048, 768, 128, 8
     gen = torch.Generator("cuda").manual_seed(0)
@@ -131,7 +137,20 @@ def moe_kernel(f: dict, token_counts=(1, 64, 512, 8192)) -> dict:
         if t <= 512:
             ref = timed(lambda: moe_reference(x, w13, w2, weights, ids), reps=5)
             row("  the torch loop over experts", f"{ref * 1e6:.0f} us", f"{ref / fused:.1f}x the fused kernel")
+        if sweep:
+            best = min((_try(lambda: fused_moe(x, w13, w2, weights, ids, Tiles(*c))), c) for c in SWEEP)
+            out[f"fused_moe_t{t}_best"] = [best[0], list(best[1])]
+            row(f"  fastest of {len(SWEEP)} launch shapes {best[1]}", f"{best[0] * 1e6:.0f} us",
+                f"{best[0] / bound:.2f}x the bound")
     return out
+
+
+def _try(fn) -> float:
+    """Median seconds of fn, or infinity where the launch shape does not compile or fit."""
+    try:
+        return timed(fn, reps=10)
+    except Exception:  # noqa: BLE001 (out of shared memory, too many registers)
+        return float("inf")
 
 
 def main() -> None:
@@ -141,6 +160,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--context", type=int, default=2048, help="tokens of context of each decoding request")
+    ap.add_argument("--overlap", default="on", choices=("on", "off"), help="overlap scheduling of the model parts")
+    ap.add_argument("--sweep", action="store_true", help="moe-kernel: also time a grid of launch shapes")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| measure | value | vs floor |\n|---|---|---|")
@@ -152,7 +173,10 @@ def main() -> None:
     results = {"floors": f}
     batches = [int(b) for b in args.decode_batches.split(",")]
     for part in args.parts.split(","):
-        results[part] = moe_kernel(f) if part == "moe-kernel" else model_part(f, part, batches, args.context)
+        if part == "moe-kernel":
+            results[part] = moe_kernel(f, sweep=args.sweep)
+        else:
+            results[part] = model_part(f, part, batches, args.context, args.overlap == "on")
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -20,6 +20,22 @@ import triton.language as tl
 from hicache.kernels.checks import dot_precision, on_cuda, require
 
 
+class Tiles(NamedTuple):
+    """Launch shape of the grouped GEMM (both launches)."""
+    block_m: int  # rows of a block: each expert's run is padded to a multiple
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(num_pairs: int, num_experts: int) -> Tiles:
+    """Small blocks when experts get few rows each (decode), larger ones for prefill."""
+    if num_pairs <= 4 * num_experts:
+        return Tiles(16, 64, 64)
+    return Tiles(64, 64, 64)
+
+
 class Alignment(NamedTuple):
     sorted_pairs: torch.Tensor  # [P] int32: pair ids (t * K + k) grouped by expert; T * K marks padding
     block_expert: torch.Tensor  # [P // block_m] int32: the expert of each block of rows
@@ -120,9 +136,9 @@ def _moe_gemm(A, B, C, Weights, Pairs, BlockExpert, NumPadded, num_pairs, n, k, 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in
-    x's dtype. block_m defaults by the number of pairs (small blocks when experts get few rows)."""
+    x's dtype. tiles: the launch shape, by default `default_tiles`."""
     on_cuda(x=x, w13=w13, w2=w2, topk_ids=topk_ids)
     t, h = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -134,23 +150,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{t}, K]")
     k = topk_ids.shape[1]
     n = t * k
-    block_m = block_m or (16 if n <= 4 * num_experts else 64)
-    al = align(topk_ids, num_experts, block_m)
+    tiles = tiles or default_tiles(n, num_experts)
+    al = align(topk_ids, num_experts, tiles.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, act, weights, al, k, inter, h, True, block_m)
+    _launch(x, w13, act, weights, al, k, inter, h, True, tiles)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _launch(act, w2, out, weights, al, 1, h, inter, False, block_m)
+    _launch(act, w2, out, weights, al, 1, h, inter, False, tiles)
     return out.view(t, k, h).sum(dim=1)
 
 
-def _launch(a, b, c, weights, al: Alignment, a_div: int, n: int, k: int, gated: bool, block_m: int) -> None:
-    block_n, block_k = 64, 64
-    blocks = al.sorted_pairs.numel() // block_m
+def _launch(a, b, c, weights, al: Alignment, a_div: int, n: int, k: int, gated: bool, tiles: Tiles) -> None:
+    blocks = al.sorted_pairs.numel() // tiles.block_m
     if blocks == 0:
         return
-    _moe_gemm[(blocks, triton.cdiv(n, block_n))](
+    _moe_gemm[(blocks, triton.cdiv(n, tiles.block_n))](
         a, b, c, weights, al.sorted_pairs, al.block_expert, al.num_padded, c.shape[0], n, k, a_div,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         GATED=gated, WEIGHTED=not gated, PRECISION=dot_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)

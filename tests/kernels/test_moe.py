@@ -11,7 +11,7 @@ from hicache.kernels.experts import moe_reference
 
 pytestmark = env.kernels
 if env.CUDA or env.INTERPRETED:
-    from hicache.kernels.moe import align, fused_moe
+    from hicache.kernels.moe import Tiles, align, fused_moe
 
 DEV = env.DEV
 HALF = env.half(torch.bfloat16)
@@ -44,11 +44,12 @@ def test_fused_moe_matches_reference(dtype, tokens, hidden, inter, experts, top_
     assert rel_err(out, want) < TOL[dtype]
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_fused_moe_block_sizes_agree(block_m):
+@pytest.mark.parametrize("tiles", [(16, 32, 32), (32, 64, 16), (64, 16, 64)])
+def test_fused_moe_tiles_agree(tiles):
     gen = torch.Generator(DEV).manual_seed(torch.seed() % 2**31)
-    x, w13, w2, weights, ids = _inputs(gen, 9, 64, 32, 8, 3, torch.float32)
-    assert rel_err(fused_moe(x, w13, w2, weights, ids, block_m=block_m), moe_reference(x, w13, w2, weights, ids)) < 1e-5
+    x, w13, w2, weights, ids = _inputs(gen, 9, 64, 48, 8, 3, torch.float32)
+    out = fused_moe(x, w13, w2, weights, ids, Tiles(*tiles))
+    assert rel_err(out, moe_reference(x, w13, w2, weights, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block", [(11, 6, 2, 4), (700, 64, 4, 16)])
