@@ -106,14 +106,23 @@ def hf_folder(workdir: Path) -> Path:
     if (folder / "config.json").exists():
         return folder
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hicache.runtime.default_model import default_model_path
 
     path = default_model_path()
     kw = {"gguf_file": path.name}
-    AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    folder.mkdir(parents=True)
+    # transformers refuses to save a GGUF-loaded model: its dequantized tensors, as a plain checkpoint
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = ["LlamaForCausalLM"]
     AutoTokenizer.from_pretrained(str(path.parent), **kw).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
 
