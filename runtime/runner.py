@@ -58,9 +58,9 @@ class ModelRunner:
         """Queues the forward pass (no host sync on CUDA, but for a load-back's first wait). Returns
         the plan's rows that sample and their logits [len(rows), V] float32 on the device (with a
         CUDA graph: a view valid until the next forward). An extend plan's prompt log-probs are
-        queued too (`plan.prompt_logprobs`, runtime/prompt_logprobs.py). `input_ids` [N] int64 on the device, for
-        a decode plan only: the token each request computes, instead of `req.all_ids[start]` (the
-        previous step's samples, before the host has them)."""
+        queued too (`plan.prompt_logprobs`, runtime/prompt_logprobs.py). `input_ids` [N] int64 on
+        the device, for a decode plan only: the token each request computes, instead of
+        `req.all_ids[start]` (the previous step's samples, before the host has them)."""
         rows = [i for i, s in enumerate(plan.sample) if s]
         if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
             if plan.loads is not None:  # a graph reads every layer: wait for whole load-backs
