@@ -30,6 +30,7 @@ class BatchPlan:
     sample: list[bool]
     loads: LoadHandle | None = None
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
+    prompt_logprobs: Any = None  # set by ModelRunner.forward: its PendingPromptLogprobs (runtime/prompt_logprobs.py)
 
     def add(self, req: Req, start: int, n: int, sample: bool) -> None:
         self.reqs.append(req)
@@ -72,8 +73,10 @@ class ForwardBatch:
 
 
 class StepOutput(NamedTuple):
-    """Per request of the plan: the sampled token (None where the plan did not sample)."""
+    """Per request of the plan: the sampled token (None where the plan did not sample), and the
+    prompt log-probs its chunk scored (`PendingPromptLogprobs.result`; None where none)."""
 
     next_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list | None]
+    input_logprobs: list[list | None]

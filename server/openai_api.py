@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from hicache.server.serving import (
+    ChoiceResult,
     SSE_HEADERS,
     check_model,
     check_prompt,
@@ -44,6 +45,11 @@ class _Job:
     logprobs: bool
     echo: str | list[str] | None = None
     created: int = 0
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """echo + logprobs: the log-probs cover the prompt's tokens too (the first one's None)."""
+        return self.echo is not None and self.logprobs
 
     def envelope(self, choices: list, **extra) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -114,7 +120,8 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
     params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
-    reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt)
+    reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
+                         logprob_start_len=0 if job.prompt_logprobs else -1)
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:
@@ -123,8 +130,7 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
         events = _sse(tm, job, rest, body.include_usage, body.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(tm, reqs, request)
-    choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids)
-               for i, r in enumerate(results)]
+    choices = [_final_choice(tm, job, i, r) for i, r in enumerate(results)]
     return job.envelope(choices, usage=usage([r.meta for r in results], [len(p) for p in job.prompts], job.n))
 
 
@@ -135,8 +141,10 @@ def finish_reason_str(reason: dict | None) -> str | None:
     return None if reason is None else reason.get("type", "stop")
 
 
-def _final_choice(tm, job: _Job, i: int, text: str, reason, logprobs: list, output_ids: list[int]) -> dict:
-    lp = _logprobs(tm, job, output_ids[-len(logprobs):] if logprobs else [], logprobs, 0) if job.logprobs else None
+def _final_choice(tm, job: _Job, i: int, r: ChoiceResult) -> dict:
+    text, reason = r.text, r.finish_reason
+    new_ids = r.output_ids[-len(r.logprobs):] if r.logprobs else []
+    lp = _logprobs(tm, job, *_scored(job, i, r.input_logprobs, new_ids, r.logprobs), 0) if job.logprobs else None
     if job.kind == "chat":
         choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
     else:
@@ -147,11 +155,19 @@ def _final_choice(tm, job: _Job, i: int, text: str, reason, logprobs: list, outp
     return choice
 
 
+def _scored(job: _Job, i: int, prompt: list | None, new_ids: list[int], entries: list) -> tuple[list[int], list]:
+    """The tokens the logprobs object covers and their entries: with echo, the prompt's first."""
+    if not job.prompt_logprobs or prompt is None:
+        return new_ids, entries
+    return job.prompts[i // job.n] + new_ids, prompt + entries
+
+
 def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, text_offset: int) -> dict:
-    """OpenAI logprobs for `ids`; each entry is [logprob, [[token_id, logprob], ...]]."""
+    """OpenAI logprobs for `ids`; each entry is [logprob, [[token_id, logprob], ...]], or
+    [None, None] for the first prompt token (then its logprob and top_logprobs are null)."""
     toks = [tm.token_str(t) for t in ids]
-    tops = [[(tm.token_str(int(a)), float(b)) for a, b in (e[1] or [])] for e in entries]
-    lps = [float(e[0]) for e in entries]
+    tops = [None if e[0] is None else [(tm.token_str(int(a)), float(b)) for a, b in (e[1] or [])] for e in entries]
+    lps = [None if e[0] is None else float(e[0]) for e in entries]
     if job.kind == "chat":
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in top]}
@@ -160,7 +176,8 @@ def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, te
     for t in toks:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [None if top is None else dict(top) for top in tops],
+            "text_offset": offsets}
 
 
 async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool,
@@ -178,7 +195,8 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
                 break
             metas[i] = chunk.meta
             if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
-                lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs else None
+                scored = _scored(job, i, chunk.input_logprobs, chunk.new_ids, chunk.logprobs or [])
+                lp = _logprobs(tm, job, *scored, 0) if job.logprobs else None
                 extra = {"usage": usage(metas, [len(p) for p in job.prompts], job.n)} if continuous else {}
                 yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True,
                                           **extra))

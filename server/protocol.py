@@ -346,6 +346,7 @@ class GenerateReqInput(Strict):
     return_logprob: StrictBool = False
     top_logprobs_num: TopLogprobs = 0
     logprob_start_len: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = -1
+    return_text_in_logprobs: StrictBool = False
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
 

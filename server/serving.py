@@ -54,6 +54,7 @@ class ChoiceResult:
     finish_reason: dict | None = None
     logprobs: list = field(default_factory=list)
     first_token_at: float | None = None  # time.perf_counter() when the first token arrived
+    input_logprobs: list | None = None  # the prompt's, from logprob_start_len on
 
     def add(self, chunk: Chunk) -> None:
         if self.first_token_at is None and chunk.new_ids:
@@ -61,6 +62,7 @@ class ChoiceResult:
         self.text, self.output_ids, self.meta = chunk.text, chunk.output_ids, chunk.meta
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.logprobs.extend(chunk.logprobs or [])
+        self.input_logprobs = chunk.input_logprobs or self.input_logprobs
 
 
 def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | None = None) -> SamplingParams:
@@ -137,7 +139,8 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
 
 
 def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
-                  top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
+                  top_logprobs: int = 0, cache_salt: str | None = None,
+                  logprob_start_len: int = -1) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
     `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
     if len(prompts) * params.n > MAX_CHOICES:
@@ -147,7 +150,8 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
     for p, ids in enumerate(prompts):
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
         base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=params, return_logprob=return_logprob,
-                               top_logprobs_num=top_logprobs, cache_salt=cache_salt or "")
+                               top_logprobs_num=top_logprobs, cache_salt=cache_salt or "",
+                               logprob_start_len=logprob_start_len)
         reqs.extend(expand_n(base))
     return reqs
 

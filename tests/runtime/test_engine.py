@@ -70,11 +70,12 @@ def test_stop_token_ids_and_max_new_tokens_zero(engine):
 def test_logprobs_with_top_alternatives(engine):
     out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 3},
                           return_logprob=True, top_logprobs_num=3)
-    lps = out["meta_info"]["output_token_logprobs"]
-    assert len(lps) == 3
-    for token, (lp, top) in zip(out["output_ids"], lps):
-        assert top[0][0] == token and abs(top[0][1] - lp) < 1e-5  # greedy picks the top token
-        assert lp <= 0 and top[0][1] >= top[1][1] >= top[2][1]
+    lps, tops = out["meta_info"]["output_token_logprobs"], out["meta_info"]["output_top_logprobs"]
+    assert len(lps) == len(tops) == 3 and out["meta_info"]["input_token_logprobs"] == []
+    for token, (lp, tid, text), top in zip(out["output_ids"], lps, tops):  # SGLang's [logprob, id, text]
+        assert tid == token and text is None
+        assert top[0][1] == token and abs(top[0][0] - lp) < 1e-5  # greedy picks the top token
+        assert lp <= 0 and top[0][0] >= top[1][0] >= top[2][0]
 
 
 def test_async_stream_and_abort_frees_everything(engine):
