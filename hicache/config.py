@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from hicache.eviction import DEFAULT as DEFAULT_EVICTION, STRATEGIES
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
 STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
@@ -14,7 +16,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
-    radix_eviction_policy: str = field(default="lru", metadata={"help": "Which unlocked leaf the radix tree evicts first: lru or lfu."})
+    radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: lfu_aging (fewest hits, counts halved each time the cache turns over; holds up when many sessions come back in turn), lfu or lru."})
     enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
     disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
     hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})
@@ -33,8 +35,7 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.radix_eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"radix_eviction_policy must be lru or lfu, got {self.radix_eviction_policy!r}")
+        _choice("radix_eviction_policy", self.radix_eviction_policy, tuple(STRATEGIES))
         _choice("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("hicache_mem_layout", self.hicache_mem_layout, MEM_LAYOUTS)
         _choice("hicache_io_backend", self.hicache_io_backend, _io_backends())

@@ -137,3 +137,24 @@ class FakeTransfer:
 
     def in_flight(self) -> int:
         return len(self._queue)
+
+
+class FakeTable:
+    """A RequestTable: `rows` rows, each a dict position -> slot."""
+
+    def __init__(self, rows: int):
+        self.rows = {r: {} for r in range(rows)}
+        self.free_rows = list(range(rows))
+
+    def alloc(self):
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row):
+        self.rows[row].clear()
+        self.free_rows.append(row)
+
+    def num_free(self):
+        return len(self.free_rows)
+
+    def write(self, row, start, slots):
+        self.rows[row].update({start + i: s for i, s in enumerate(slots.tolist())})
