@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout]
 
-1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, CRC-32,
+1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
    fp32: 30 layers x 3 KV heads x 64, page 64 tokens = 2.9 MB) from and into a host pool, for
    LMDB (a fresh environment in a temp folder, so reads come from the page cache) and Redis (a
