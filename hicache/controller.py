@@ -216,10 +216,16 @@ class CacheController:
         return ticket
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
+        """n fresh L2 slots, evicting for them; when eviction falls short, L3 backups still queued
+        give up their pins (oldest first) and eviction tries again. None if there is no room."""
         alloc = self.tree.host_allocator
         short = n - alloc.num_free_tokens()
         if short > 0:
             self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
+        while self.storage is not None and n > alloc.num_free_tokens():
+            if not self.storage.revoke_backups(n - alloc.num_free_tokens()):
+                break
+            self.counters["host_evicted_tokens"] += self.tree.evict_host(n - alloc.num_free_tokens())
         return alloc.alloc(n) if alloc.num_free_tokens() >= n else None
 
     # ---- eviction -------------------------------------------------------------------------

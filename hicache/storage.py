@@ -13,7 +13,10 @@ it is deferred and retried (oldest first) as room appears; a deferred prefetch k
 waiting at most the timeout allowance, whatever the policy, then gives up.
 
 Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
-stay pinned until the write is done; the worker skips keys L3 already holds. Page keys are cached
+stay pinned until the write is done; the worker skips keys L3 already holds. A backup still
+queued never holds L2 hostage: when L2 is short of room, `revoke_backups` withdraws queued backups,
+oldest first, and unpins their pages so that eviction may take them (counted,
+`backup_revoked_tokens`). Page keys are cached
 on the tree nodes (`TreeNode.page_keys`, chained from the parent's last key), so a backup hashes
 only pages never hashed before, and a prefetch only the pages beyond the cached prefix. Past
 `backup_queue_pages` pages in flight, further backups are dropped and counted.
@@ -264,6 +267,26 @@ class StorageController:
         self._backups[self.engine.backup(keys, slots)] = _Backup(tuple((n, len(n.key)) for n in nodes), pages)
         self._backup_pages += pages
 
+    def revoke_backups(self, tokens: int) -> int:
+        """Withdraws backups that have not started, oldest first, until their pages cover
+        `tokens`, unpinning their nodes; returns the tokens unpinned."""
+        freed = 0
+        for ticket in list(self._backups):
+            if freed >= tokens:
+                break
+            if not self.engine.revoke(ticket):
+                continue
+            b = self._backups.pop(ticket)
+            self._unpin(b)
+            freed += b.pages * self.page_size
+            self.counters["backup_revoked_tokens"] += b.pages * self.page_size
+        return freed
+
+    def _unpin(self, b: _Backup) -> None:
+        self._backup_pages -= b.pages
+        for node in nodes_covering(b.pieces):
+            node.host_pin -= 1
+
     def _node_keys(self, node: TreeNode) -> list[str]:
         """The L3 keys of an attached node's pages, cached on it (`TreeNode.page_keys`): each node
         is hashed once in its life, chained from its parent's last key (ancestors without keys yet
@@ -310,10 +333,10 @@ class StorageController:
             c["prefetch_failed"] += 1
 
     def _on_backup(self, res: StorageResult) -> None:
-        b = self._backups.pop(res.ticket)
-        self._backup_pages -= b.pages
-        for node in nodes_covering(b.pieces):
-            node.host_pin -= 1
+        b = self._backups.pop(res.ticket, None)
+        if b is None:  # revoked: unpinned and counted then
+            return
+        self._unpin(b)
         c = self.counters
         c["backed_up_tokens"] += res.pages * self.page_size
         c["backed_up_bytes"] += res.nbytes
@@ -394,6 +417,6 @@ class StorageController:
         out.update({k: engine[k] for k in BACKEND_HEALTH if k in engine})  # why it may be degraded
         out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
-                  "backup_dropped_tokens", "prefetch_seconds", "backup_seconds"):
+                  "backup_dropped_tokens", "backup_revoked_tokens", "prefetch_seconds", "backup_seconds"):
             out.setdefault(k, 0)
         return out

@@ -158,3 +158,77 @@ class FakeTable:
 
     def write(self, row, start, slots):
         self.rows[row].update({start + i: s for i, s in enumerate(slots.tolist())})
+
+
+class FakeStorage:
+    """A StorageEngine that holds every operation until `complete()`: queries find nothing,
+    backups queue. `start(ticket)` marks one as running (revoke() then refuses it)."""
+
+    def __init__(self):
+        self._next = 1
+        self.queued: dict[int, tuple[str, list[str]]] = {}
+        self.started: set[int] = set()
+        self.revoked: list[int] = []
+        self._done: list = []
+
+    def _submit(self, kind: str, keys: list[str]) -> int:
+        ticket, self._next = self._next, self._next + 1
+        self.queued[ticket] = (kind, keys)
+        return ticket
+
+    def query(self, keys):
+        return self._submit("query", keys)
+
+    def fetch(self, keys, host_slots):
+        return self._submit("fetch", keys)
+
+    def backup(self, keys, host_slots):
+        return self._submit("backup", keys)
+
+    def start(self, ticket: int) -> None:
+        self.started.add(ticket)
+
+    def revoke(self, ticket: int) -> bool:
+        if ticket not in self.queued or ticket in self.started:
+            return False
+        kind, _ = self.queued.pop(ticket)
+        self.revoked.append(ticket)
+        self._done.append(self._result(ticket, kind, False, "cancelled"))
+        return True
+
+    def complete(self) -> None:
+        for ticket, (kind, keys) in list(self.queued.items()):
+            del self.queued[ticket]
+            self._done.append(self._result(ticket, kind, True, None, len(keys) if kind == "backup" else 0))
+
+    @staticmethod
+    def _result(ticket, kind, ok, error, pages=0):
+        from hicache.tiers.base import StorageResult
+
+        return StorageResult(ticket, kind, ok, pages, error=error)
+
+    def progress(self, ticket):
+        return 0
+
+    def cancel(self, ticket):
+        pass
+
+    def poll(self):
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout):
+        pass
+
+    def quiesce(self, timeout):
+        self.complete()
+        return True
+
+    def status(self):
+        return "ok"
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass

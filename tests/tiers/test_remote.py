@@ -486,6 +486,32 @@ def test_worker_stops_a_fetch_at_the_first_miss_and_counts_failures(tmp_path):
     w.close()
 
 
+def test_worker_revokes_a_queued_backup_but_not_a_running_one():
+    pool = host_pool("page_first")
+    backend = make_backend("memory", NS)
+    running, release = threading.Event(), threading.Event()
+    real_set = backend.batch_set
+
+    def slow_set(keys_, pages_):
+        running.set()
+        release.wait(10)
+        return real_set(keys_, pages_)
+
+    backend.batch_set = slow_set
+    w = StorageWorker(backend, pool, batch_pages=2)
+    k = keys(4)
+    first = w.backup(k[:2], pool.allocator.alloc(8))
+    second = w.backup(k[2:], pool.allocator.alloc(8))
+    assert running.wait(10)
+    assert not w.revoke(first) and w.revoke(second)
+    release.set()
+    r_first, r_second = results(w, 2)
+    assert (r_first.ok, r_first.pages) == (True, 2)
+    assert (r_second.ok, r_second.pages, r_second.error) == (False, 0, "cancelled")
+    assert backend.batch_exists(k) == 2  # the revoked pages were never read nor written
+    w.close()
+
+
 def block(path, how: str) -> None:
     """Makes `path` an LMDB path that cannot be opened."""
     if how == "file":  # a file where the folder should be
