@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from hicache.decide import DECISION_MODES
 from hicache.eviction import DEFAULT as DEFAULT_EVICTION, STRATEGIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -29,6 +30,7 @@ class HiCacheConfig:
     hicache_load_blocks: int = field(default=16, metadata={"help": "Programs per layer and K/V of the Triton gather kernel that loads pages back (io_backend kernel, or direct where the driver lacks batched copies): more moves pages faster but takes more SMs from the compute it overlaps."})
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
+    hicache_load_decision: str = field(default="measured", metadata={"help": "Whether a prefix cached on L2 or L3 is loaded or recomputed: measured (whichever is faster by the load bandwidth and prefill rate measured while serving) or always (load every hit)."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
     hicache_storage_secret: str | None = field(default=None, repr=False, metadata={"help": "Secret (at least 16 bytes) that authenticates L3 values with an HMAC-SHA256: a value without a valid MAC is a counted miss, so writers to a shared store (Redis) without it cannot plant pages. Every server sharing a store needs the same one. Default: none (values are still bound to their keys and checksummed). Never logged or shown."})
 
@@ -47,6 +49,7 @@ class HiCacheConfig:
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
         _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
+        _choice("hicache_load_decision", self.hicache_load_decision, DECISION_MODES)
         _choice("hicache_storage_prefetch_policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
         extra = self.hicache_storage_backend_extra_config
         if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form

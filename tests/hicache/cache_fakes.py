@@ -161,10 +161,12 @@ class FakeTable:
 
 
 class FakeStorage:
-    """A StorageEngine that holds every operation until `complete()`: queries find nothing,
-    backups queue. `start(ticket)` marks one as running (revoke() then refuses it)."""
+    """A StorageEngine that holds every operation until `complete()`: queries find `hits` leading
+    pages, fetches land all their pages of `page_bytes` each, reporting `seconds_per_page` each,
+    backups store them. `start(ticket)` marks one as running (revoke() then refuses it)."""
 
-    def __init__(self):
+    def __init__(self, hits: int = 0, page_bytes: int = 0, seconds_per_page: float = 0.0):
+        self.hits, self.page_bytes, self.seconds_per_page = hits, page_bytes, seconds_per_page
         self._next = 1
         self.queued: dict[int, tuple[str, list[str]]] = {}
         self.started: set[int] = set()
@@ -199,13 +201,16 @@ class FakeStorage:
     def complete(self) -> None:
         for ticket, (kind, keys) in list(self.queued.items()):
             del self.queued[ticket]
-            self._done.append(self._result(ticket, kind, True, None, len(keys) if kind == "backup" else 0))
+            pages = min(self.hits, len(keys)) if kind == "query" else len(keys)
+            moved = pages if kind == "fetch" else 0
+            self._done.append(self._result(ticket, kind, True, None, pages, moved * self.page_bytes,
+                                           moved * self.seconds_per_page))
 
     @staticmethod
-    def _result(ticket, kind, ok, error, pages=0):
+    def _result(ticket, kind, ok, error, pages=0, nbytes=0, seconds=0.0):
         from hicache.tiers.base import StorageResult
 
-        return StorageResult(ticket, kind, ok, pages, error=error)
+        return StorageResult(ticket, kind, ok, pages, nbytes=nbytes, seconds=seconds, error=error)
 
     def progress(self, ticket):
         return 0

@@ -44,6 +44,7 @@ def l3_scheduler(config_path, backend="lmdb", total=256, secret=None, radix=True
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96)
     cc = HiCacheConfig(page_size=PAGE, disable_radix_cache=not radix, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_secret=secret,
+                       hicache_load_decision="always",
                        hicache_storage_backend_extra_config={"prefetch_threshold": 16, **extra})
     return build_scheduler(rc, cc)
 
