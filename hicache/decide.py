@@ -10,15 +10,20 @@ on a slow tier never makes a request slower than computing it.
 
 Until both rates are measured, ranges are loaded. A tier whose ranges keep being recomputed would
 never be measured again, so after `PROBE_EVERY` refusals in a row one range is loaded anyway
-(`probes`), and its transfer refreshes the estimate. Mode `always` loads every range (the
-behaviour without a decision); `measured` decides. Tokens recomputed by choice are counted per tier
-(`recomputed_<tier>_tokens`).
+(`probes`), and its transfer refreshes the estimate. Tokens recomputed by choice are counted per
+tier (`recomputed_<tier>_tokens`).
+
+Modes: `measured` decides for L3 and loads every L2 hit: an L2 load is queued with its batch and
+runs layer by layer beside the compute, so its time from submission to completion (what a
+transfer reports) overstates what it costs the request; `measured_all` decides for both tiers on
+those times; `always` loads every hit.
 """
 from __future__ import annotations
 
 import collections
 
-DECISION_MODES = ("measured", "always")
+DECISION_MODES = ("measured", "measured_all", "always")
+DECIDED = {"measured": ("storage",), "measured_all": ("host", "storage"), "always": ()}
 ALPHA = 0.3  # weight of the newest sample in each moving average
 PROBE_EVERY = 16
 TIERS = ("host", "storage")
@@ -66,7 +71,7 @@ class LoadDecider:
 
     def load(self, tier: str, tokens: int, queued_bytes: int = 0) -> bool:
         """Whether to load `tokens` from `tier` (True) or recompute them (False, counted)."""
-        est = None if self.mode == "always" else self.seconds(tier, tokens, queued_bytes)
+        est = self.seconds(tier, tokens, queued_bytes) if tier in DECIDED[self.mode] else None
         if est is None or est[0] <= est[1]:
             self._refused[tier] = 0
             return True

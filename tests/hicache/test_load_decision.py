@@ -18,7 +18,7 @@ PREFILL = 1000.0  # tokens per second: recomputing a page takes 4 ms
 
 
 def test_decider_weighs_load_time_queue_included_against_recompute_time():
-    d = LoadDecider("measured", BYTES_PER_TOKEN)
+    d = LoadDecider("measured_all", BYTES_PER_TOKEN)
     assert d.load("storage", 64)  # nothing measured yet: load
     d.record_prefill(1000, 1.0)
     d.record_load("storage", 10_000, 1.0)  # 100 tokens/s worth of bytes: 10x slower than prefill
@@ -28,6 +28,10 @@ def test_decider_weighs_load_time_queue_included_against_recompute_time():
     assert d.stats("storage")["recomputed_by_choice_tokens"] == 64
     assert d.stats("host")["recomputed_by_choice_tokens"] == 64
     assert all(LoadDecider("always", BYTES_PER_TOKEN).load("storage", 64) for _ in range(3))
+    default = LoadDecider("measured", BYTES_PER_TOKEN)
+    default.record_prefill(1000, 1.0)
+    default.record_load("host", 1, 1.0)
+    assert default.load("host", 64)  # L2 hits are decided under measured_all only
     refusals = [d.load("storage", 8) for _ in range(PROBE_EVERY)]
     assert refusals.count(True) == 1 and d.stats("storage")["load_probes"] == 1  # a probe keeps it measured
     with pytest.raises(ValueError):
@@ -77,7 +81,8 @@ def test_a_slow_l2_is_recomputed_and_a_fast_one_loaded(seconds, loads):
     alloc = fakes.FakeAllocator(32, PS)
     host_pool = fakes.FakeHostPool(64, PS)
     tree = RadixTree(alloc, PS, host_allocator=host_pool.allocator)
-    ctrl = CacheController(tree, host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1)
+    ctrl = CacheController(tree, host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1,
+                           load_decision="measured_all")
     cache = CacheManager(ctrl, fakes.FakeTable(2))
     cache.record_prefill(1000, 1000 / PREFILL)
     ctrl.decider.record_load("host", 16 * BYTES_PER_TOKEN, seconds)  # what earlier loads measured
