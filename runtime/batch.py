@@ -1,6 +1,7 @@
 """What one scheduling step runs: the scheduler's plan and the runner's tensors for it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -31,6 +32,7 @@ class BatchPlan:
     loads: LoadHandle | None = None
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
     prompt_logprobs: Any = None  # set by ModelRunner.forward: its PendingPromptLogprobs (runtime/prompt_logprobs.py)
+    created: float = field(default_factory=time.perf_counter)  # when planned: its result's wait measures prefill
 
     def add(self, req: Req, start: int, n: int, sample: bool) -> None:
         self.reqs.append(req)

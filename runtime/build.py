@@ -63,7 +63,8 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks)
-    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy)
+    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
+                                 load_decision=cc.hicache_load_decision)
     if cc.storage and controller.enabled:
         attach_storage(controller, cc, rc, loaded, host_pool)
     attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim)
