@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 COMPILE_THREADS = 2
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
+# JSON may hold any whitespace between tokens, but a run of at most this many characters: small
+# models otherwise fall into endless runs of newlines.
+MAX_JSON_WHITESPACE = 16
 
 
 def check_grammar(kind: str, text: str) -> None:
@@ -101,8 +104,9 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
                                                           stop_token_ids=self._stops)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        compile_fn = {"json_schema": self._compiler.compile_json_schema, "regex": self._compiler.compile_regex,
-                      "ebnf": self._compiler.compile_grammar,
+        if kind == "json_schema":
+            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar,
                       "structural_tag": self._compiler.compile_structural_tag}[kind]
         return compile_fn(text)
 

@@ -29,7 +29,7 @@ from hicache.server.serving import (
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
 
 router = APIRouter()
-OPENAI_RENAMES = {"max_new_tokens": "max_tokens"}
+OPENAI_RENAMES = {"max_new_tokens": "max_tokens", "json_schema": "response_format.json_schema.schema"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
