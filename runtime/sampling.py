@@ -71,7 +71,7 @@ class SamplingParams:
         parsed them with `from_dict` writes it. An unknown key raises TypeError."""
         kw = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in d.items()}
         if "logit_bias" in kw:
-            kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
+            kw["logit_bias"] = tuple(tuple(pair) for pair in kw["logit_bias"])
         return cls(**kw)
 
     @classmethod
