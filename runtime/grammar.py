@@ -198,6 +198,24 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     return mask
 
 
-def wait_any(grammars: Sequence[RequestGrammar], timeout: float) -> None:
-    """Blocks until one of the grammars has compiled, at most `timeout` seconds."""
-    wait([g._compiled for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
+# ---- over a scheduler's queue (requests with a `grammar` attribute) -----------------------------
+
+
+def wait_compiling(reqs: Sequence, timeout: float = 0.01) -> bool:
+    """Blocks until a grammar of `reqs` still compiling is done, at most `timeout` seconds;
+    False at once when none is compiling."""
+    futures = [r.grammar._compiled for r in reqs if r.grammar is not None and not r.grammar.done]
+    if futures:
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+    return bool(futures)
+
+
+def look_at(reqs: Sequence) -> list:
+    """Notes which grammars of `reqs` are ready (`RequestGrammar.look`); returns the requests whose
+    grammar failed to compile."""
+    return [r for r in reqs if r.grammar is not None and not r.grammar.look() and r.grammar.error is not None]
+
+
+def any_unseen(reqs: Sequence) -> bool:
+    """A grammar of `reqs` was not ready when last looked at."""
+    return any(r.grammar is not None and not r.grammar.seen_ready for r in reqs)

@@ -214,7 +214,10 @@ MAX_LOGIT_BIAS = 100.0
 
 
 def _logit_bias(name: str, v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """{token id: bias}; ids may be strings of digits (OpenAI's JSON keys). Sorted by id."""
+    """{token id: bias} (ids may be strings of digits: OpenAI's JSON keys) or [[id, bias], ...]
+    (`to_wire`'s form). Sorted by id."""
+    if isinstance(v, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
+        v = dict(v)
     if not isinstance(v, dict):
         raise ValueError(f"{name} must be an object mapping token ids to biases, got {type(v).__name__}")
     out = {}

@@ -18,7 +18,7 @@ from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
-from hicache.runtime.grammar import GrammarCompiler, wait_any
+from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
@@ -145,16 +145,13 @@ class Scheduler:
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""
-        compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.done]
-        if compiling:
-            wait_any(compiling, 0.01)
-        else:
+        if not wait_compiling(self.waiting):
             self.cache.idle_wait()
 
     def grammars_compiling(self) -> bool:
         """A waiting request's grammar was not ready at the last admission: once it is, the
         request may join the batch (the overlap loop plans afresh meanwhile)."""
-        return any(r.grammar is not None and not r.grammar.seen_ready for r in self.waiting)
+        return any_unseen(self.waiting)
 
     def close(self) -> None:
         self.grammars.close()
@@ -223,7 +220,10 @@ class Scheduler:
     def _admit_waiting(self, plan: BatchPlan, budget: int, after: BatchPlan | None) -> None:
         ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:-1], r.namespace).tokens)
-        self._look_at_grammars()
+        for req in look_at(self.waiting):  # its grammar did not compile
+            self.waiting.remove(req)
+            self.cache.revoke(req.rid)
+            self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
         for req in self.policy.order(self.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
@@ -242,15 +242,6 @@ class Scheduler:
             self.cache.refresh(req.lease)
             budget -= n
             self._add_chunk(plan, req, n, allocated=True)
-
-    def _look_at_grammars(self) -> None:
-        """Notes which waiting requests' grammars are ready; those that failed to compile end."""
-        for req in [r for r in self.waiting if r.grammar is not None and not r.grammar.look()]:
-            if req.grammar.error is not None:
-                self.waiting.remove(req)
-                self.queue_version += 1
-                self.cache.revoke(req.rid)
-                self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
 
     def _admit(self, req: Req, budget: int, after: BatchPlan | None = None) -> int:
         """Admits `req` with its cached prefix (loaded back from L2 where needed) and the slots of

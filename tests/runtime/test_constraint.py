@@ -84,6 +84,7 @@ def test_sampling_params_grammar_and_bias_fields():
                        ({"logit_bias": {"x": 1}}, "^logit_bias must be keyed"),
                        ({"logit_bias": {"1": 101}}, "^logit_bias values"),
                        ({"logit_bias": [1]}, "^logit_bias must be an object"),
+                       ({"logit_bias": [[1, 2, 3]]}, "^logit_bias must be an object"),
                        ({"ebnf": 3}, "^ebnf must be a string"),
                        ({"regex": "(", "json_schema": "{}"}, "^regex "),
                        ({"ebnf": 'root ::= "a"', "structural_tag": "{}"}, "^structural_tag ")]:
