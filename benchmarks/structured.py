@@ -8,8 +8,8 @@ Both runs decode `--batch` prompts of `--prompt-tokens` tokens for `--new-tokens
 greedy, all submitted together. The constrained run gives every request a JSON schema (an array
 of at least `--new-tokens` objects with a bounded string, a bounded integer and an enum), so that
 its grammar cannot end before the length limit and both runs emit the same number of tokens; the
-unconstrained run ignores EOS. Each run is timed `--repeats` times after a warm-up (which also
-compiles the schema); the best time counts. Prints both rates and constrained / unconstrained
+unconstrained run ignores EOS. After a warm-up (which also compiles the schema) the two runs
+alternate `--repeats` times; the best time of each counts. Prints both rates and constrained / unconstrained
 (target: >= 0.90), and appends a JSON line to `--out`.
 
 Dummy weights come with no tokenizer: the script then copies the config into a temporary folder
@@ -49,16 +49,19 @@ def with_default_tokenizer(config: str, folder: Path) -> str:
     return str(folder / "config.json")
 
 
-def timed(engine: Engine, prompts: list[list[int]], params: dict, repeats: int) -> tuple[float, int]:
-    """(best seconds, output tokens of one run)."""
-    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
-    best, tokens = float("inf"), 0
+def timed(engine: Engine, prompts: list[list[int]], runs: dict[str, dict], repeats: int) -> dict[str, tuple]:
+    """name -> (best seconds, output tokens of one run). The runs alternate, so that a noisy
+    machine slows both alike."""
+    for params in runs.values():  # warm-up (and the schema's compilation)
+        engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})
+    best = {name: (float("inf"), 0) for name in runs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        best = min(best, time.perf_counter() - t0)
-        tokens = sum(len(o["output_ids"]) for o in outs)
-    return best, tokens
+        for name, params in runs.items():
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            took = time.perf_counter() - t0
+            best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs))
+    return best
 
 
 def main() -> None:
@@ -68,7 +71,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="default: 64 on a device, 8 on CPU")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "structured.jsonl"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +91,9 @@ def run(engine: Engine, args: argparse.Namespace) -> None:
     vocab = engine.scheduler.model_config.vocab_size
     prompts = [[(17 + 31 * i + 7 * j) % min(vocab, 49152) for j in range(args.prompt_tokens)] for i in range(batch)]
     base = {"temperature": 0, "max_new_tokens": args.new_tokens}
-    free_s, free_tokens = timed(engine, prompts, {**base, "ignore_eos": True}, args.repeats)
-    json_s, json_tokens = timed(engine, prompts, {**base, "json_schema": schema(args.new_tokens)}, args.repeats)
+    got = timed(engine, prompts, {"free": {**base, "ignore_eos": True},
+                                  "json": {**base, "json_schema": schema(args.new_tokens)}}, args.repeats)
+    (free_s, free_tokens), (json_s, json_tokens) = got["free"], got["json"]
     free_rate, json_rate = free_tokens / free_s, json_tokens / json_s
     row = {"device": device, "machine": platform.node(), "commit": _commit(), "batch": batch,
            "new_tokens": args.new_tokens, "unconstrained_tok_s": round(free_rate, 1),
