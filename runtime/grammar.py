@@ -54,13 +54,29 @@ def check_grammar(kind: str, text: str) -> None:
         elif kind == "ebnf":
             xgr.Grammar.from_ebnf(text)
         else:
-            xgr.Grammar.from_structural_tag(text)
+            xgr.Grammar.from_structural_tag(*structural_tag_args(text))
+    except KeyError as e:  # a structure of the older structural tag form lacks a key
+        raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: a structure lacks {e}") from None
     except (ValueError, RuntimeError, TypeError) as e:  # json, xgrammar's parsers
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: {_short(e)}") from None
 
 
 _NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar",
           "structural_tag": "structural tag"}
+
+
+def structural_tag_args(text: str) -> tuple:
+    """XGrammar's arguments for a structural tag: the JSON text itself (`{"type": "structural_tag",
+    "format": ...}`), or for SGLang's older form (`{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}`) its items and triggers."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return (text,)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return items, list(tag.get("triggers", []))
 
 
 def _short(e: Exception) -> str:
@@ -106,8 +122,9 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         if kind == "json_schema":
             return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar,
-                      "structural_tag": self._compiler.compile_structural_tag}[kind]
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(*structural_tag_args(text))
+        compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar}[kind]
         return compile_fn(text)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 logits; SamplingParams' grammar and logit_bias fields (validation, wire round trip)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -80,6 +81,10 @@ def test_sampling_params_grammar_and_bias_fields():
     assert p.logit_bias == ((3, -2.5), (5, 1.0))
     assert SamplingParams.from_wire(p.to_wire()) == p
     assert SamplingParams.from_dict({"regex": "a+"}, V).grammar == ("regex", "a+")
+    for tag in ({"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f"]},
+                {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+                    {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "</f>"}]}}):
+        assert SamplingParams.from_dict({"structural_tag": json.dumps(tag)}, V).grammar[0] == "structural_tag"
     for bad, match in [({"logit_bias": {"100": 1}}, "^logit_bias must be keyed"),
                        ({"logit_bias": {"x": 1}}, "^logit_bias must be keyed"),
                        ({"logit_bias": {"1": 101}}, "^logit_bias values"),
@@ -87,6 +92,7 @@ def test_sampling_params_grammar_and_bias_fields():
                        ({"logit_bias": [[1, 2, 3]]}, "^logit_bias must be an object"),
                        ({"ebnf": 3}, "^ebnf must be a string"),
                        ({"regex": "(", "json_schema": "{}"}, "^regex "),
-                       ({"ebnf": 'root ::= "a"', "structural_tag": "{}"}, "^structural_tag ")]:
+                       ({"ebnf": 'root ::= "a"', "structural_tag": "{}"}, "^structural_tag "),
+                       ({"structural_tag": '{"structures": [{"begin": "x"}]}'}, "^structural_tag .* lacks 'schema'")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams.from_dict(bad, V)
