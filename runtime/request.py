@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from hicache.manager import Lease
+from hicache.runtime.grammar import RequestGrammar
 from hicache.runtime.sampling import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Req:
         self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
         self.arrival_seq = 0
         self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
+        self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
 
     @property
     def all_ids(self) -> list[int]:

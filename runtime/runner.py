@@ -11,6 +11,7 @@ import torch
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
+from hicache.runtime.grammar import fill_bitmask
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -109,15 +110,17 @@ class ModelRunner:
         return ids_dev, meta[4 * n:4 * n + total], batch
 
     def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None) -> PendingStep:
-        """Queues the sampling of `rows` (from `forward`); reads the requests' history on the host."""
+        """Queues the sampling of `rows` (from `forward`); reads the requests' history and grammar
+        matchers on the host (the matchers have accepted every token appended so far)."""
         if not rows:
             return PendingStep(len(plan.reqs), rows, None, plan.prompt_logprobs)
         reqs = [plan.reqs[i] for i in rows]
+        bitmask = fill_bitmask([r.grammar for r in reqs], logits.shape[1])  # while the pass runs
         with torch.inference_mode():
             pending = self.sampler.launch(
                 logits, [r.params for r in reqs], [r.generator for r in reqs],
                 [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
+                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs], bitmask)
         return PendingStep(len(plan.reqs), rows, pending, plan.prompt_logprobs)
 
 

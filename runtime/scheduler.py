@@ -19,6 +19,7 @@ from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
+from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
@@ -41,6 +42,7 @@ class Scheduler:
         self.bytes_per_token = parts.pool.bytes_per_token()
         self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
@@ -66,6 +68,8 @@ class Scheduler:
         check_prompt(req.input_ids, req.sampling_params.max_new_tokens, self.model_config.vocab_size,
                      self.context_length, self.cache.capacity_tokens())
         check_logprob_start(req.logprob_start_len, len(req.input_ids))
+        if req.sampling_params.grammar is not None and self.tokenizer is None:
+            raise ValueError(f"{req.sampling_params.grammar[0]}: this model has no tokenizer to compile grammars for")
         return req.sampling_params
 
     def add_request(self, msg: GenerateRequest) -> None:
@@ -80,6 +84,8 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), params, msg.cache_salt, gen, msg.return_logprob, msg.top_logprobs_num,
                   msg.logprob_start_len)
         req.arrival_seq = seq
+        if params.grammar is not None:
+            req.grammar = self.grammars.start(*params.grammar)
         self._enqueue(req)  # max_new_tokens 0 too: its prompt is computed (log-probs) and cached
         self.cache.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
@@ -133,11 +139,22 @@ class Scheduler:
         elif (plan := self.schedule()) is not None:
             self.process_result(plan, self.runner.run(plan))
         else:
-            self.cache.idle_wait()
+            self.idle_wait()
         outs, self._outputs = self._outputs, []
         return outs
 
+    def idle_wait(self) -> None:
+        """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""
+        if not wait_compiling(self.waiting):
+            self.cache.idle_wait()
+
+    def grammars_compiling(self) -> bool:
+        """A waiting request's grammar was not ready at the last admission: once it is, the
+        request may join the batch (the overlap loop plans afresh meanwhile)."""
+        return any_unseen(self.waiting)
+
     def close(self) -> None:
+        self.grammars.close()
         self.cache.close()
 
     def flush_cache(self) -> bool:
@@ -204,11 +221,17 @@ class Scheduler:
         ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:r.prefix_limit],
                                                                               r.namespace).tokens)
+        for req in look_at(self.waiting):  # its grammar did not compile
+            self.waiting.remove(req)
+            self.cache.revoke(req.rid)
+            self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
         for req in self.policy.order(self.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
             if self.policy.over_step_cap(plan.kv_tokens(), req):
                 break  # L1 left for the next step's load-backs (runtime/overlap.py)
+            if req.grammar is not None and not req.grammar.seen_ready:
+                continue  # its grammar is compiling
             got = self.cache.prefetch_ready(req.rid)
             if got is None:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
@@ -314,6 +337,8 @@ class Scheduler:
         logger.info("retracting %s to free KV memory", req)
         self.running.remove(req)
         self._release(req, keep_kv)
+        if req.grammar is not None:
+            req.grammar.sync(req.output_ids)
         self.counters["retractions"] += 1
         self.early_releases += 1
         self.waiting.insert(0, req)
@@ -345,6 +370,8 @@ class Scheduler:
                 self._emit(req, [], {"type": "length", "length": 0}, None)
                 continue
             req.output_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)

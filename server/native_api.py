@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
-from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.sampling import GRAMMAR_KINDS, SamplingParams
 from hicache.server.protocol import (
     AbortReqInput,
     APIError,
@@ -43,6 +43,7 @@ from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerMana
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 MAX_N = 128  # samples per prompt
+NATIVE_RENAMES = {k: f"sampling_params.{k}" for k in (*GRAMMAR_KINDS, "logit_bias")}
 
 
 # ---- /generate ------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class _Shape(NamedTuple):
 def _native_sampling(tm: TokenizerManager, sampling: dict, prompts: list[list[int]]) -> SamplingParams:
     """The parsed sampling parameters. max_new_tokens null means as many as fit every prompt;
     more than fit is a 400."""
-    params = check_sampling(sampling, tm.info.vocab_size)
+    params = check_sampling(sampling, tm.info.vocab_size, NATIVE_RENAMES)
     if params.n > MAX_N:
         raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {params.n}", param="n", code="invalid_value")
     requested = sampling.get("max_new_tokens", params.max_new_tokens)

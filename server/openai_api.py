@@ -30,7 +30,7 @@ from hicache.server.serving import (
 from hicache.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
-OPENAI_RENAMES = {"max_new_tokens": "max_tokens"}
+OPENAI_RENAMES = {"max_new_tokens": "max_tokens", "json_schema": "response_format.json_schema.schema"}
 
 
 @dataclass

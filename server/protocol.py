@@ -22,6 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
+from hicache.runtime.grammar import JSON_OBJECT_SCHEMA
+
 M = TypeVar("M", bound=BaseModel)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -264,6 +266,29 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
+class JsonSchemaFormat(Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None  # outputs always follow the schema
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow (sampling's `json_schema`), None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema is required for type json_schema",
+                           param="response_format.json_schema.schema", code="invalid_value")
+        return json.dumps(self.json_schema.schema_)
+
+
 class SamplingFields(Strict):
     """Decoding options shared by both OpenAI endpoints (SGLang's extensions included)."""
 
@@ -292,12 +317,18 @@ class SamplingFields(Strict):
     store: Optional[Literal[False]] = None  # completions are never stored
     cache_salt: Optional[str] = None
     rid: Optional[Rid] = None
+    response_format: Optional[ResponseFormat] = None
+    logit_bias: Optional[dict[str, Any]] = None  # token id (a string of digits) -> bias in [-100, 100]
 
     def sampling_dict(self) -> dict[str, Any]:
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                "no_stop_trim", "seed")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+                "no_stop_trim", "seed", "logit_bias")
+        d = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        if schema is not None:
+            d["json_schema"] = schema
+        return d
 
     @property
     def include_usage(self) -> bool:
