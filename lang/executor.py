@@ -181,8 +181,9 @@ class Executor:
     def _select(self, sel: Select) -> None:
         ids = self._commit()
         options = self.backend.tokenize(list(sel.choices))
+        # from the prefix's last token: the first entry has no logprob, the choice's tokens all do
         outs = self.backend.generate([ids + o for o in options], SCORE,
-                                     {"return_logprob": True, "logprob_start_len": len(ids), "top_logprobs_num": 0})
+                                     {"return_logprob": True, "logprob_start_len": len(ids) - 1, "top_logprobs_num": 0})
         token_logprobs = [o["meta_info"]["input_token_logprobs"][-len(opt):] for o, opt in zip(outs, options)]
         scores = [normalized_logprob(t) for t in token_logprobs]
         best = max(range(len(scores)), key=scores.__getitem__)

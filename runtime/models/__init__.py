@@ -1,12 +1,11 @@
-"""Model registry: HF architecture name -> our implementation."""
+"""Model registry: HF architecture name -> our implementation (one decoder, parameterised by the
+config's family options: see `hicache.runtime.model_config.FAMILIES`)."""
 from __future__ import annotations
 
+from hicache.runtime.model_config import SUPPORTED_ARCHITECTURES
 from hicache.runtime.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
