@@ -40,12 +40,12 @@ def schema(min_items: int) -> dict:
     return {"type": "array", "items": item, "minItems": min_items}
 
 
-def with_default_tokenizer(config: str, folder: Path) -> str:
+def with_default_tokenizer(config: str, folder: Path, tokenizer: str | None) -> str:
     from hicache.runtime.default_model import default_model_path
     from hicache.runtime.tokenizer import load_tokenizer
 
     shutil.copy(config, folder / "config.json")
-    load_tokenizer(default_model_path()).save_pretrained(str(folder))
+    load_tokenizer(tokenizer or default_model_path()).save_pretrained(str(folder))
     return str(folder / "config.json")
 
 
@@ -68,6 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with dummy weights: a tokenizer folder to use (default: the default model's, fetched)")
     ap.add_argument("--batch", type=int, default=None, help="default: 64 on a device, 8 on CPU")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -77,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path
         if args.load_format == "dummy":
-            path = with_default_tokenizer(path, Path(tmp))
+            path = with_default_tokenizer(path, Path(tmp), args.tokenizer)
         engine = Engine(path, load_format=args.load_format, hicache_storage_backend="none")
         try:
             run(engine, args)
