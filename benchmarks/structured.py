@@ -80,7 +80,7 @@ def main() -> None:
         path = args.model_path
         if args.load_format == "dummy":
             path = with_default_tokenizer(path, Path(tmp), args.tokenizer)
-        engine = Engine(path, load_format=args.load_format, hicache_storage_backend="none")
+        engine = Engine(path, load_format=args.load_format, disable_hierarchical_cache=True)
         try:
             run(engine, args)
         finally:
