@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
-STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
+STORAGE_BACKENDS = ("lmdb", "redis", "mooncake", "memory", "none")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
