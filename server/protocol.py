@@ -8,8 +8,9 @@ integers and booleans, bounded counts). Sampling values are range-checked by the
 `SamplingParams.from_dict` (one rulebook for the Engine and the server). Nothing is silently
 ignored: a field the server does not act on is a 400 naming it (`Strict` bodies), except
 OpenAI's informational fields (`user`, `metadata`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`), which change no answer. `null` for a field that has a default means that
-default.
+`safety_identifier`), which change no answer, and the fields SGLang's router writes into every body
+it forwards (`RouterDefaults`), accepted at the values that ask for nothing more. `null` for a field
+that has a default means that default.
 """
 from __future__ import annotations
 
@@ -264,7 +265,19 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
-class SamplingFields(Strict):
+class RouterDefaults(Strict):
+    """Fields that SGLang's router (`sglang-router`) sets in every body it forwards: accepted where
+    they ask for nothing this server does not do (False), or where they change no answer (logging
+    switches; reasoning switches, with no reasoning parser here)."""
+
+    return_hidden_states: Optional[Literal[False]] = None
+    log_metrics: Optional[StrictBool] = None
+    no_logs: Optional[StrictBool] = None
+    separate_reasoning: Optional[StrictBool] = None
+    stream_reasoning: Optional[StrictBool] = None
+
+
+class SamplingFields(RouterDefaults):
     """Decoding options shared by both OpenAI endpoints (SGLang's extensions included)."""
 
     model: Optional[str] = None
@@ -314,6 +327,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[TokenCount] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[TopLogprobs] = None
+    continue_final_message: Optional[Literal[False]] = None
 
     def template_messages(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
@@ -335,7 +349,7 @@ class CompletionRequest(SamplingFields):
 # ---- native ---------------------------------------------------------------------------------
 
 
-class GenerateReqInput(Strict):
+class GenerateReqInput(RouterDefaults):
     """SGLang's /generate body: the fields hicache acts on (any other is a 400 naming it)."""
 
     text: Optional[Union[str, list[str]]] = None
@@ -348,6 +362,10 @@ class GenerateReqInput(Strict):
     logprob_start_len: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = -1
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
+    return_text_in_logprobs: Optional[Literal[False]] = None
+    background: Optional[Literal[False]] = None
+    return_bytes: Optional[Literal[False]] = None
+    return_entropy: Optional[Literal[False]] = None
 
 
 class AbortReqInput(Strict):
