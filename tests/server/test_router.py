@@ -1,9 +1,10 @@
 """Two replicas behind SGLang's router (`sglang-router`, cache_aware policy): the router registers
 our servers (health, model and server info), forwards /generate and the OpenAI routes with the
 fields it adds to every body, and requests that share a prefix land on the replica that holds it
-(their cached tokens say so)."""
+(their cached tokens say so); `hicache stats` over both replicas and their total."""
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hicache.server import stats_cli
 from server_harness import LIGHT_FLAGS, start_server
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed")
@@ -28,7 +30,7 @@ def finished(urls: list[str]) -> list[int]:
     return [httpx.get(u + "/hicache/stats", timeout=30).json()["requests_finished"] for u in urls]
 
 
-def test_router_fronts_two_replicas_and_keeps_a_prefix_on_its_replica(server):
+def test_router_fronts_two_replicas_and_keeps_a_prefix_on_its_replica(server, capsys):
     other = start_server(*LIGHT_FLAGS)
     replicas = [server.url, other.url]
     proc = None
@@ -48,6 +50,14 @@ def test_router_fronts_two_replicas_and_keeps_a_prefix_on_its_replica(server):
             assert cached[0] < PAGE and min(cached[1:]) >= 128, cached  # the later turns hit the first's replica
         served = [a - b for a, b in zip(finished(replicas), before)]
         assert sum(served) == 6, served  # every request reached a replica once (the router spreads by load)
+
+        assert stats_cli.run(replicas, None, True, None) == 0  # `hicache stats --url A --url B --json`
+        both = json.loads(capsys.readouterr().out)
+        assert list(both["replicas"]) == replicas
+        assert both["total"]["requests_finished"] == sum(finished(replicas))
+        assert both["total"]["cached_tokens"]["device"] >= 4 * 128
+        assert stats_cli.run(replicas, None, False, None) == 0
+        assert "2 replicas" in capsys.readouterr().out
 
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"],
