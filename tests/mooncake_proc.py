@@ -28,12 +28,12 @@ class MooncakeMaster:
     """`stop()` kills it (as a crash would; its index is lost), `start()` brings it back on the
     same ports. `options`: the backend's extra config for this master."""
 
-    def __init__(self, workdir: Path, lease_ms: int = 50):
+    def __init__(self, workdir: Path):
         import mooncake
 
         self.binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
         self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.workdir, self.lease_ms = workdir, lease_ms
+        self.workdir = workdir
         self.options = {"master": f"127.0.0.1:{self.rpc_port}", "global_segment_mb": 64, "local_buffer_mb": 16,
                         "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata"}
         self.proc = None
@@ -42,7 +42,7 @@ class MooncakeMaster:
         cmd = [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                f"--http_metadata_server_port={self.metadata_port}", "--metrics_host=127.0.0.1",
-               f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ms}"]
+               f"--metrics_port={self.metrics_port}"]
         with open(self.workdir / "mooncake_master.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
