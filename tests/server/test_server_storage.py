@@ -169,6 +169,7 @@ def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys)
             b.stop()
 
 
+@pytest.mark.slow  # the backend's own tests (tests/tiers/test_remote.py) run in the default suite
 def test_two_servers_share_mooncake_and_survive_its_master_going_away(mooncake_master):
     """The second server serves from Mooncake what the first computed (pages striped over both
     servers' segments), identical greedy outputs; the master killed mid-run: requests go on as
