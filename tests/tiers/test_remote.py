@@ -381,12 +381,13 @@ def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
 
 def test_mooncake_down_at_start_and_killed_mid_run_is_degraded_then_resumes(mooncake_master, mooncake_backend):
     """A client made while the master is down is degraded at once, and is set up on the probe once
-    the master is back; the master killed under a running client: calls fail fast (the worker
+    the master is back (its writes, larger than its transfer buffer, go in several puts); the master killed under a running client: calls fail fast (the worker
     counts them), the status says so, and the probe clears it when the master returns."""
     from hicache.tiers.remote.backend import BackendUnavailable
 
     mooncake_master.stop()
-    late = make_backend("mooncake", NS, **mooncake_master.options)
+    small = HEADER_SIZE + 2 * pages(1)[0].numel() * 4  # a transfer buffer that holds two pages: puts are split
+    late = make_backend("mooncake", NS, **{**mooncake_master.options, "local_buffer_mb": small / 2**20})
     assert late.status().startswith(f"degraded: master {mooncake_master.options['master']}: ConnectionRefusedError")
     with pytest.raises(BackendUnavailable):
         late.batch_exists(keys(1))

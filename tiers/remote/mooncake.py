@@ -152,15 +152,30 @@ class MooncakeBackend(BackendBase):
         return self.fill(keys, values, pages)
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
+        """Writes the absent pages, in puts that fit the client's transfer buffer (`local_buffer_mb`:
+        a put larger than it fails whole); a put that fails raises OSError naming its code."""
         store = self._ready()
         todo = [(k, p) for k, p, there in zip(keys, pages, self._present(store, keys)) if not there]
-        if not todo:
-            return 0
-        names, values = self._keys([k for k, _ in todo]), [self.encode(k, p) for k, p in todo]
-        if self._check(store.upsert_batch(names, values))[0] != 0:
-            return 0
-        self.count(set_pages=len(values), bytes_written=sum(len(v) for v in values))
-        return len(values)
+        written = 0
+        for chunk in self._chunks([(k, self.encode(k, p)) for k, p in todo]):
+            code = self._check(store.upsert_batch(self._keys([k for k, _ in chunk]), [v for _, v in chunk]))[0]
+            if code != 0:
+                raise OSError(f"{self.describe()}: a put of {len(chunk)} pages failed ({code})")
+            written += len(chunk)
+            self.count(set_pages=len(chunk), bytes_written=sum(len(v) for _, v in chunk))
+        return written
+
+    def _chunks(self, items: list[tuple[str, bytes]]):
+        """`items` in runs of at most half the transfer buffer's bytes (at least one item each)."""
+        limit, run, size = self._setup_args[3] // 2, [], 0
+        for item in items:
+            if run and size + len(item[1]) > limit:
+                yield run
+                run, size = [], 0
+            run.append(item)
+            size += len(item[1])
+        if run:
+            yield run
 
     def delete(self, keys: list[str]) -> None:
         self._check(self._ready().batch_remove(self._keys(keys), True))  # force: even under a read lease
