@@ -99,7 +99,8 @@ def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig,
     cache.attach_storage(StorageWorker(backend, host_pool, options.batch_pages), seed, options,
                          cc.hicache_storage_backend)
     logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
-                redact(str(backend_options.get("path") or backend_options.get("url") or "in memory")), options.policy,
+                redact(str(next((backend_options[k] for k in ("path", "url", "master") if k in backend_options),
+                                 "in memory"))), options.policy,
                 options.prefetch_threshold, "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
 
 
