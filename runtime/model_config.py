@@ -1,4 +1,5 @@
-"""`ModelConfig`: the architecture of a Llama-family model, read from an HF config.json dict.
+"""`ModelConfig`: the architecture of a model we run (Llama family, Gemma 3 text), read from an HF
+config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
 5.x (`rope_parameters`) spellings. `fingerprint` namespaces cache keys (docs/formats.md): two models
@@ -11,8 +12,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+_GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                    "head_dim": 256}
 # "freq_factors": llama.cpp's per-dimension divisors of inv_freq (GGUF tensor rope_freqs.weight),
 # which is how a Llama-3.1 GGUF carries its llama3 scaling.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
@@ -37,6 +41,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = "LlamaForCausalLM"
     name: str = ""
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # a windowed layer's query at position i sees keys i - W < j <= i
+    layer_types: tuple[str, ...] = ()  # SLIDING / FULL per layer; () with a window: every layer windowed
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the windowed layers (plain RoPE)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -0.5 power
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +67,18 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its sliding window W, or None for full attention."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        types = self.layer_types or (SLIDING,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -68,15 +90,18 @@ class ModelConfig:
     def from_hf_config(cls, d: dict, name: str | None = None) -> ModelConfig:
         """Build from an HF config.json dict (LlamaForCausalLM / MistralForCausalLM).
 
-        Raises ValueError for other architectures and for features our model lacks
-        (attention/MLP biases, non-SiLU activations, sliding windows, unknown RoPE types).
+        Raises ValueError for other architectures and for features our models lack
+        (attention/MLP biases, other activations, unknown RoPE types).
         """
         arch = _architecture(d)
         _check_supported(d, arch)
+        if arch == "Gemma3ForCausalLM":
+            d = {**_GEMMA3_DEFAULTS, **d}
+        extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _mistral_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = _rope(d if arch != "Gemma3ForCausalLM" else _gemma3_global_rope(d))
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -94,6 +119,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch,
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
+            **extra,
         )
 
     @classmethod
@@ -108,6 +134,8 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
+        if self.architecture not in ("LlamaForCausalLM", "MistralForCausalLM") or self.sliding_window is not None:
+            raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
             "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
@@ -148,14 +176,53 @@ def _architecture(d: dict) -> str:
 def _check_supported(d: dict, arch: str) -> None:
     if d.get("attention_bias") or d.get("mlp_bias"):
         raise ValueError(f"{arch} with attention or MLP biases is not supported")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-    window = d.get("sliding_window")
-    if window is not None and window < int(d.get("max_position_embeddings", 0) or 0):
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    act, want = _activation(d, arch)
+    if act != want:
+        raise ValueError(f"hidden_act {act!r} is not supported for {arch} (only {want})")
+    if d.get("use_bidirectional_attention") or d.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{arch} with bidirectional attention or attention logit softcapping is not supported")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 is not supported")
+
+
+def _activation(d: dict, arch: str) -> tuple[str, str]:
+    """(the config's MLP activation, the one our model of `arch` runs)."""
+    if arch == "Gemma3ForCausalLM":
+        return d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh", "gelu_pytorch_tanh"
+    return d.get("hidden_act", "silu"), "silu"
+
+
+def _mistral_fields(d: dict) -> dict:
+    """Llama and Mistral: a sliding window applies to every layer (Mistral's `sliding_window`)."""
+    window = d.get("sliding_window")
+    return {} if window is None else {"sliding_window": int(window)}
+
+
+def _gemma3_fields(d: dict) -> dict:
+    """Gemma 3's fields beyond Llama's, with Gemma3TextConfig's defaults."""
+    n = int(d["num_hidden_layers"])
+    pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+    types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if len(types) != n or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types must name {SLIDING} or {FULL} for each of the {n} layers, got {types}")
+    local = (d.get("rope_parameters") or {}).get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope type {local['rope_type']!r} of the sliding layers is not supported (only default)")
+    softcap = d.get("final_logit_softcapping")
+    return {"hidden_act": "gelu_pytorch_tanh", "sliding_window": int(d.get("sliding_window") or 4096),
+            "layer_types": tuple(types),
+            "rope_local_theta": float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0),
+            "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar") or 256),
+            "final_logit_softcapping": None if softcap is None else float(softcap)}
+
+
+def _gemma3_global_rope(d: dict) -> dict:
+    """The config with the global layers' RoPE in the Llama spelling (transformers 5.x nests it
+    under rope_parameters.full_attention)."""
+    params = d.get("rope_parameters") or {}
+    if FULL not in params:
+        return {**d, "rope_theta": d.get("rope_theta") or 1_000_000.0}
+    return {**d, "rope_parameters": params[FULL], "rope_theta": params[FULL].get("rope_theta")}
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:

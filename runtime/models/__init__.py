@@ -1,11 +1,13 @@
 """Model registry: HF architecture name -> our implementation."""
 from __future__ import annotations
 
+from hicache.runtime.models.gemma3 import Gemma3ForCausalLM
 from hicache.runtime.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -15,4 +17,4 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "get_model_class"]
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "MODEL_REGISTRY", "get_model_class"]

