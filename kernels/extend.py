@@ -96,6 +96,8 @@ def _extend(Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, window, 
 
 def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a dtype and head size."""
+    if head_dim > 128:  # (Gemma 3: 256) smaller tiles, so that the pipelined K/V tiles fit in shared memory
+        return (32, 32, 4, 2) if dtype == torch.float32 else (64, 32, 4, 2)
     if dtype == torch.float32:
         return 64, 32, 4, 2
     return 128, 64, 4, 3  # the best of a parameter sweep at head_dim 128 (benchmarks/RESULTS.md)

