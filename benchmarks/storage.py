@@ -1,13 +1,15 @@
 """L3 storage: backend bandwidth, and a multi-turn workload that only L3 can hold.
 
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--skip-multi-turn]
-        [--conversations 16] [--turns 4] [--policy timeout]
+        [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
 
-1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, CRC-32,
+1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
    fp32: 30 layers x 3 KV heads x 64, page 64 tokens = 2.9 MB) from and into a host pool, for
    LMDB (a fresh environment in a temp folder, so reads come from the page cache) and Redis (a
    redis-server started here on a free port). GB/s = page bytes moved / wall time of the batch.
+   `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x 128, bf16, page 64
+   tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU server.
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
@@ -36,26 +38,29 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 64
 BATCH = 128
 BENCH_NS = "be0c4000000000ff"  # the namespace id (hex) of the bandwidth runs
-LAYERS, HEADS, DIM = 30, 3, 64
+SHAPES = {"smollm2": (30, 3, 64, torch.float32), "llama-8b": (32, 8, 128, torch.bfloat16)}  # layers, KV heads, dim
 
 
 # ---- 1. bandwidth ------------------------------------------------------------------------------
 
 
-def bandwidth(backend_name: str, backend_options: dict, batches: int) -> dict:
+def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str = "smollm2",
+              batch_pages: int = BATCH) -> dict:
     from hicache.pagekey import namespace_seed, page_keys
     from hicache.tiers.host.pool import HostKVPool
     from hicache.tiers.remote import make_backend
     from hicache.tiers.remote.worker import StorageWorker
 
-    tokens = BATCH * PAGE
-    src = HostKVPool(tokens, PAGE, LAYERS, HEADS, DIM, torch.float32, "page_first", pin=False)
-    dst = HostKVPool(tokens, PAGE, LAYERS, HEADS, DIM, torch.float32, "page_first", pin=False)
-    src.buffer.copy_(torch.randn(src.buffer.shape))
+    layers, heads, dim, dtype = SHAPES[shape]
+    tokens = batch_pages * PAGE
+    pin = torch.cuda.is_available()
+    src = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, "page_first", pin=pin)
+    dst = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, "page_first", pin=pin)
+    src.buffer.view(torch.uint8).copy_(torch.randint(0, 256, src.buffer.view(torch.uint8).shape, dtype=torch.uint8))
     dst.buffer.zero_()
     page_bytes = src.bytes_per_token() * PAGE
-    worker = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), src, BATCH)
-    reader = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), dst, BATCH)
+    worker = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), src, batch_pages)
+    reader = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), dst, batch_pages)
     slots = src.allocator.alloc(tokens)
     into = dst.allocator.alloc(tokens)
     write_s, read_s = [], []
@@ -63,12 +68,13 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int) -> dict:
         keys = page_keys(namespace_seed("bench", b, time.time()), list(range(tokens)), PAGE)
         write_s.append(_timed(worker, worker.backup, keys, slots))
         read_s.append(_timed(reader, reader.fetch, keys, into))
-        assert torch.equal(dst.buffer, src.buffer), "read back different bytes"
+        assert torch.equal(dst.buffer.view(torch.uint8), src.buffer.view(torch.uint8)), "read back different bytes"
         dst.buffer.zero_()
     worker.close()
     reader.close()
-    nbytes = BATCH * page_bytes
-    return {"backend": backend_name, "page_bytes": page_bytes, "batch_pages": BATCH, "batches": batches,
+    nbytes = batch_pages * page_bytes
+    return {"backend": backend_name, "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages,
+            "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
             "write_gbps": nbytes / statistics.median(write_s) / 1e9,
             "read_gbps": nbytes / statistics.median(read_s) / 1e9}
 
@@ -192,14 +198,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=8)
     ap.add_argument("--l1-tokens", type=int, default=1536)
     ap.add_argument("--policy", default="timeout", help="hicache_storage_prefetch_policy of the L3 run")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the page of the bandwidth runs")
+    ap.add_argument("--batch-pages", type=int, default=BATCH)
+    ap.add_argument("--lmdb-dir", default=None, help="folder for the bandwidth run's LMDB (default: a temp folder)")
     args = ap.parse_args()
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "bandwidth": []}
-    with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-") as folder:
-        record["bandwidth"].append(bandwidth("lmdb", {"path": folder}, args.batches))
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
+        record["bandwidth"].append(bandwidth("lmdb", {"path": folder}, args.batches, args.shape,
+                                             args.batch_pages))
     if not args.skip_redis:
         proc, url = start_redis()
         try:
-            record["bandwidth"].append(bandwidth("redis", {"url": url, "socket_timeout": 60.0}, args.batches))
+            record["bandwidth"].append(bandwidth("redis", {"url": url, "socket_timeout": 60.0}, args.batches,
+                                                 args.shape, args.batch_pages))
         finally:
             proc.kill()
             proc.wait()

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from hicache.decide import DECISION_MODES
+from hicache.eviction import DEFAULT as DEFAULT_EVICTION, STRATEGIES
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
 STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
@@ -14,7 +17,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
-    radix_eviction_policy: str = field(default="lru", metadata={"help": "Which unlocked leaf the radix tree evicts first: lru or lfu."})
+    radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: lfu_aging (fewest hits, counts halved each time the cache turns over; holds up when many sessions come back in turn), lfu or lru."})
     enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
     disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
     hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})
@@ -25,6 +28,7 @@ class HiCacheConfig:
     hicache_load_layerwise: bool = field(default=True, metadata={"help": "On CUDA, a load-back's layers are waited for one at a time: layer i's attention waits for layer i only, so loading overlaps compute (--no-hicache-load-layerwise: the pass waits for the whole load)."})
     hicache_load_ahead_layers: int = field(default=2, metadata={"help": "Layers of a layer-wise load-back queued ahead of the layer the forward pass waits for (queuing every layer before the pass costs the host the time its own launches need)."})
     hicache_load_blocks: int = field(default=16, metadata={"help": "Programs per layer and K/V of the Triton gather kernel that loads pages back (io_backend kernel, or direct where the driver lacks batched copies): more moves pages faster but takes more SMs from the compute it overlaps."})
+    hicache_load_decision: str = field(default="measured", metadata={"help": "Whether a prefix cached on L3 (and L2) is loaded or recomputed: measured (L3 hits: whichever is faster by the load bandwidth and prefill rate measured while serving; L2 hits are loaded), measured_all (L2 hits too) or always (load every hit)."})
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
@@ -33,8 +37,7 @@ class HiCacheConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.radix_eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"radix_eviction_policy must be lru or lfu, got {self.radix_eviction_policy!r}")
+        _choice("radix_eviction_policy", self.radix_eviction_policy, tuple(STRATEGIES))
         _choice("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("hicache_mem_layout", self.hicache_mem_layout, MEM_LAYOUTS)
         _choice("hicache_io_backend", self.hicache_io_backend, _io_backends())
@@ -46,6 +49,7 @@ class HiCacheConfig:
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
         _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
+        _choice("hicache_load_decision", self.hicache_load_decision, DECISION_MODES)
         _choice("hicache_storage_prefetch_policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
         extra = self.hicache_storage_backend_extra_config
         if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form

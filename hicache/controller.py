@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from hicache.config import WRITE_POLICIES
+from hicache.decide import LoadDecider
 from hicache.storage import StorageController, StorageOptions
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
 from hicache.transfers import Op, Transfers
@@ -42,13 +43,14 @@ class LoadBack(NamedTuple):
     device_slots: torch.Tensor  # [m] int64, CPU: fresh L1 slots of the loaded tokens (tree-owned); empty if refused
     last_node: TreeNode  # the node the caller's lock now sits on (match.last_node if refused)
     ticket: int  # 0 if refused
-    refused: str = ""  # "" (loaded), "short" (under the minimum), "room" (no L1 room yet), "failed"
+    # "" (loaded), "short" (under the minimum), "slow" (recomputing is faster), "room" (no L1 room yet), "failed"
+    refused: str = ""
 
 
 class CacheController:
     def __init__(self, tree: RadixTree, host_pool: HostPool | None = None, transfer: TransferEngine | None = None,
                  write_policy: str = "write_through", load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS,
-                 window: int | None = None):
+                 load_decision: str = "measured", window: int | None = None):
         """`window`: the model's sliding window W when it has windowed layers (see `load_back`)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
@@ -66,13 +68,14 @@ class CacheController:
         self._stale: list[TreeNode] = []
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
+        self.decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
 
     def attach_storage(self, engine: StorageEngine, seed: bytes, options: StorageOptions, backend: str) -> None:
         """Adds L3 over `engine`; `seed` is the namespace seed of the page keys (docs/formats.md)."""
         if not self.enabled:
             raise ValueError("L3 needs the host tier (L2)")
         self.storage = StorageController(self.tree, engine, seed, options, self._alloc_host, backend,
-                                         self.host_pool.bytes_per_token())
+                                         self.host_pool.bytes_per_token(), self.decider)
 
     @property
     def disabled(self) -> bool:
@@ -147,6 +150,9 @@ class CacheController:
             if match.host_hit_tokens:
                 self.counters["load_back_recomputed_tokens"] += match.host_hit_tokens
             return refuse("short")
+        queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
+        if not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
+            return refuse("slow")
         cut = self._window_cut(match)
         chain = self.tree.load_chain(match.last_host_node)
         n = sum(len(node.key) for node in chain)
@@ -254,10 +260,16 @@ class CacheController:
         return ticket
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
+        """n fresh L2 slots, evicting for them; when eviction falls short, L3 backups still queued
+        give up their pins (oldest first) and eviction tries again. None if there is no room."""
         alloc = self.tree.host_allocator
         short = n - alloc.num_free_tokens()
         if short > 0:
             self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
+        while self.storage is not None and n > alloc.num_free_tokens():
+            if not self.storage.revoke_backups(n - alloc.num_free_tokens()):
+                break
+            self.counters["host_evicted_tokens"] += self.tree.evict_host(n - alloc.num_free_tokens())
         return alloc.alloc(n) if alloc.num_free_tokens() >= n else None
 
     # ---- eviction -------------------------------------------------------------------------
@@ -330,6 +342,8 @@ class CacheController:
             self.counters[f"{kind}_tokens"] += res.tokens
             self.counters[f"{kind}_bytes"] += res.nbytes
             self.counters["load_back_seconds" if op.kind == "load" else "backup_seconds"] += res.seconds
+            if op.kind == "load":
+                self.decider.record_load("host", res.nbytes, res.seconds)
             if op.kind == "backup" and self.storage is not None:
                 self.storage.backup(nodes)
             return
@@ -381,7 +395,7 @@ class CacheController:
                 "load_back_deferred": c["load_back_deferred"],
                 "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self.transfers.ops),
                 "bytes_per_token": self.host_pool.bytes_per_token(), "write_policy": self.write_policy,
-                "layout": getattr(self.host_pool, "layout", "")}
+                "layout": getattr(self.host_pool, "layout", ""), **self.decider.stats("host")}
 
     def expected_pins(self) -> dict[TreeNode, int]:
         pins = self.transfers.expected_pins()

@@ -248,6 +248,11 @@ class CacheManager:
     def flush(self) -> bool:
         return self.controller.flush()
 
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill step computed `tokens` prompt tokens in `seconds`: the rate that loads from
+        L2 and L3 are weighed against (`hicache/decide.py`)."""
+        self.controller.decider.record_prefill(tokens, seconds)
+
     def close(self) -> None:
         """Stops the L3 I/O threads (after their in-flight writes)."""
         if self.storage is not None:

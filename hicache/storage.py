@@ -2,18 +2,23 @@
 `tiers.base.StorageEngine`. Only the scheduler thread calls it; the engine's threads move bytes.
 
 Prefetch, per request, on arrival: the page keys beyond its L1 + L2 match are queried in L3
-(`query`); if at least `threshold` tokens exist there, host pages are reserved for them and
-fetched (`fetch`). When the scheduler considers the request, `ready()` applies the prefetch
-policy (`best_effort`: use what has landed; `wait_complete`: wait for the fetch to end;
-`timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages that landed
-as host-only tree nodes (`RadixTree.insert_host`); the request then loads them back like any L2
-hit. Pages the fetch still writes stay reserved until its result comes back, then are freed. An
-abort revokes the prefetch and frees its pages the same way. When L2 has no room for a fetch yet,
-it is deferred and retried (oldest first) as room appears; a deferred prefetch keeps its request
-waiting at most the timeout allowance, whatever the policy, then gives up.
+(`query`); if at least `threshold` tokens exist there, host pages are reserved for them and fetched
+(`fetch`). A fetch starts only where the measured L3 bandwidth (the fetches queued ahead included)
+beats the measured prefill rate for those tokens (`hicache/decide.py`); otherwise the request
+recomputes them (`prefetch_recompute_chosen`). When the scheduler considers the request, `ready()`
+applies the prefetch policy (`best_effort`: use what has landed; `wait_complete`: wait for the
+fetch to end; `timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages
+that landed as host-only tree nodes (`RadixTree.insert_host`); the request then loads them back
+like any L2 hit. Pages the fetch still writes stay reserved until its result comes back, then are
+freed. An abort revokes the prefetch and frees its pages the same way. When L2 has no room for a
+fetch yet, it is deferred and retried (oldest first) as room appears; a deferred prefetch keeps its
+request waiting at most the timeout allowance, whatever the policy, then gives up.
 
 Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
-stay pinned until the write is done; the worker skips keys L3 already holds. Page keys are cached
+stay pinned until the write is done; the worker skips keys L3 already holds. A backup still
+queued never holds L2 hostage: when L2 is short of room, `revoke_backups` withdraws queued backups,
+oldest first, and unpins their pages so that eviction may take them (counted,
+`backup_revoked_tokens`). Page keys are cached
 on the tree nodes (`TreeNode.page_keys`, chained from the parent's last key), so a backup hashes
 only pages never hashed before, and a prefetch only the pages beyond the cached prefix. Past
 `backup_queue_pages` pages in flight, further backups are dropped and counted.
@@ -29,6 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from hicache.config import PREFETCH_POLICIES
+from hicache.decide import LoadDecider
 from hicache.pagekey import chain_keys, salted_seed
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
@@ -100,8 +106,10 @@ class StorageRange(NamedTuple):
 
 class StorageController:
     def __init__(self, tree: RadixTree, engine: StorageEngine, seed: bytes, options: StorageOptions,
-                 alloc_host: Callable[[int], torch.Tensor | None], backend: str, bytes_per_token: int):
+                 alloc_host: Callable[[int], torch.Tensor | None], backend: str, bytes_per_token: int,
+                 decider: LoadDecider | None = None):
         self.tree, self.engine, self.options = tree, engine, options
+        self.decider = decider if decider is not None else LoadDecider("measured", bytes_per_token)
         self.page_size = tree.page_size
         self.backend, self.bytes_per_token = backend, bytes_per_token
         self._seed = seed
@@ -233,6 +241,10 @@ class StorageController:
             return True
         if self._held_host_tokens() + n * ps > HOST_SHARE * self.tree.host_allocator.capacity_tokens():
             return False
+        if not self.decider.load("storage", n * ps, self._fetching_tokens() * self.bytes_per_token):
+            op.phase = "done"
+            self.counters["prefetch_recompute_chosen"] += 1
+            return True
         chain = self.tree.load_chain(m.last_host_node)
         for node in chain:  # making room must not evict the prefix the fetched pages hang below
             node.host_pin += 1
@@ -263,6 +275,26 @@ class StorageController:
             n.host_pin += 1
         self._backups[self.engine.backup(keys, slots)] = _Backup(tuple((n, len(n.key)) for n in nodes), pages)
         self._backup_pages += pages
+
+    def revoke_backups(self, tokens: int) -> int:
+        """Withdraws backups that have not started, oldest first, until their pages cover
+        `tokens`, unpinning their nodes; returns the tokens unpinned."""
+        freed = 0
+        for ticket in list(self._backups):
+            if freed >= tokens:
+                break
+            if not self.engine.revoke(ticket):
+                continue
+            b = self._backups.pop(ticket)
+            self._unpin(b)
+            freed += b.pages * self.page_size
+            self.counters["backup_revoked_tokens"] += b.pages * self.page_size
+        return freed
+
+    def _unpin(self, b: _Backup) -> None:
+        self._backup_pages -= b.pages
+        for node in nodes_covering(b.pieces):
+            node.host_pin -= 1
 
     def _node_keys(self, node: TreeNode) -> list[str]:
         """The L3 keys of an attached node's pages, cached on it (`TreeNode.page_keys`): each node
@@ -302,6 +334,7 @@ class StorageController:
                 break
 
     def _count_fetch(self, res: StorageResult) -> None:
+        self.decider.record_load("storage", res.nbytes, res.seconds)
         c = self.counters
         c["prefetched_tokens"] += res.pages * self.page_size
         c["prefetched_bytes"] += res.nbytes
@@ -310,10 +343,10 @@ class StorageController:
             c["prefetch_failed"] += 1
 
     def _on_backup(self, res: StorageResult) -> None:
-        b = self._backups.pop(res.ticket)
-        self._backup_pages -= b.pages
-        for node in nodes_covering(b.pieces):
-            node.host_pin -= 1
+        b = self._backups.pop(res.ticket, None)
+        if b is None:  # revoked: unpinned and counted then
+            return
+        self._unpin(b)
         c = self.counters
         c["backed_up_tokens"] += res.pages * self.page_size
         c["backed_up_bytes"] += res.nbytes
@@ -357,6 +390,10 @@ class StorageController:
 
     # ---- integrity, stats -----------------------------------------------------------------
 
+    def _fetching_tokens(self) -> int:
+        """Tokens of the fetches queued or running."""
+        return sum(len(op.keys) for op in self._by_ticket.values() if op.phase == "fetch") * self.page_size
+
     def _held_host_tokens(self) -> int:
         return int(self.held_host_slots().numel())
 
@@ -390,10 +427,11 @@ class StorageController:
                "evicted_tokens": engine.get("evicted_pages", 0) * self.page_size,
                "prefetching": len(self._by_rid), "backups_in_flight": len(self._backups),
                "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0),
-               "stale_pages": engine.get("stale_pages", 0)}
+               "stale_pages": engine.get("stale_pages", 0), **self.decider.stats("storage")}
         out.update({k: engine[k] for k in BACKEND_HEALTH if k in engine})  # why it may be degraded
         out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
-                  "backup_dropped_tokens", "prefetch_seconds", "backup_seconds"):
+                  "backup_dropped_tokens", "backup_revoked_tokens", "prefetch_recompute_chosen", "prefetch_seconds",
+                  "backup_seconds"):
             out.setdefault(k, 0)
         return out

@@ -1,5 +1,5 @@
 """Fused Triton kernels of the Llama layer: RMSNorm (alone or after the residual add), rotary
-embedding, SiLU-and-multiply.
+embedding (optionally after a per-head RMSNorm of q and k), SiLU-and-multiply.
 
 Needs triton and a CUDA device; import this module lazily (the model does, on CUDA only). They
 replace chains of small torch ops (RMSNorm: ~7 kernels, RoPE of q and k: ~18, SiLU-mul: 2), which
@@ -81,14 +81,20 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _rotate_heads(X, Out, cos, sin, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_heads(X, Out, W, eps, cos, sin, t, stride_xt, stride_xh, stride_ot, stride_oh, num_heads,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None]
     base = X + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # each head's RMSNorm first, rounded as the torch code rounds
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + cols).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + cols).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(Out.dtype.element_ty).to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(Out.dtype.element_ty).to(tl.float32)).to(Out.dtype.element_ty).to(tl.float32)
     first = x1 * cos[None, :] - x2 * sin[None, :]
     second = x2 * cos[None, :] + x1 * sin[None, :]
     out = Out + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
@@ -97,23 +103,27 @@ def _rotate_heads(X, Out, cos, sin, t, stride_xt, stride_xh, stride_ot, stride_o
 
 
 @triton.jit
-def _rope(Q, K, QOut, KOut, CosSin, Pos, stride_qt, stride_qh, stride_kt, stride_kh,
+def _rope(Q, K, QOut, KOut, CosSin, Pos, QW, KW, eps, stride_qt, stride_qh, stride_kt, stride_kh,
           stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs, num_q_heads, num_k_heads,
-          HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+          HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     cols = tl.arange(0, HALF)
     cos = tl.load(CosSin + pos * stride_cs + cols)
     sin = tl.load(CosSin + pos * stride_cs + HALF + cols)
-    _rotate_heads(Q, QOut, cos, sin, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads, HALF, BLOCK_QH)
-    _rotate_heads(K, KOut, cos, sin, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads, HALF, BLOCK_KH)
+    _rotate_heads(Q, QOut, QW, eps, cos, sin, t, stride_qt, stride_qh, stride_qot, stride_qoh, num_q_heads, HALF,
+                  BLOCK_QH, NORM)
+    _rotate_heads(K, KOut, KW, eps, cos, sin, t, stride_kt, stride_kh, stride_kot, stride_koh, num_k_heads, HALF,
+                  BLOCK_KH, NORM)
 
 
-def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+         q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int; q [T, Hq, D], k [T, Hk, D] (each head contiguous; rows may be strided);
     cos_sin [P, D] fp32 (cos in [:, :D/2], sin in [:, D/2:]), P > every position (not checked:
-    that would sync). Returns rotated contiguous copies in q's / k's dtype."""
+    that would sync). Returns rotated contiguous copies in q's / k's dtype. With q_weight and
+    k_weight ([D], q's dtype), each head is RMS-normalised (Qwen3's q/k norm) before rotating."""
     on_cuda(positions=positions, q=q, k=k, cos_sin=cos_sin)
     require(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel()
             and q.shape[2] == k.shape[2],
@@ -125,13 +135,19 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             f"cos_sin must be [P, {d}] float32, got {tuple(cos_sin.shape)} {cos_sin.dtype}")
     require(positions.dim() == 1 and positions.dtype in (torch.int32, torch.int64) and positions.is_contiguous(),
             "positions must be a contiguous 1-D int tensor")
+    norm = q_weight is not None
+    if norm:
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            require(w is not None and w.shape == (d,) and w.dtype == q.dtype and w.is_contiguous(),
+                    f"{name} must be [{d}] {q.dtype}")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0]:
-        _rope[(q.shape[0],)](q, k, q_out, k_out, cos_sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        _rope[(q.shape[0],)](q, k, q_out, k_out, cos_sin, positions, q_weight if norm else q, k_weight if norm else k,
+                             eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                              q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
                              q.shape[1], k.shape[1], HALF=d // 2, BLOCK_QH=triton.next_power_of_2(q.shape[1]),
-                             BLOCK_KH=triton.next_power_of_2(k.shape[1]), num_warps=4)
+                             BLOCK_KH=triton.next_power_of_2(k.shape[1]), NORM=norm, num_warps=4)
     return q_out, k_out
 
 

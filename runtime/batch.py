@@ -1,6 +1,7 @@
 """What one scheduling step runs: the scheduler's plan and the runner's tensors for it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -30,6 +31,8 @@ class BatchPlan:
     sample: list[bool]
     loads: LoadHandle | None = None
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
+    prompt_logprobs: Any = None  # set by ModelRunner.forward: its PendingPromptLogprobs (runtime/prompt_logprobs.py)
+    created: float = field(default_factory=time.perf_counter)  # when planned: its result's wait measures prefill
 
     def add(self, req: Req, start: int, n: int, sample: bool) -> None:
         self.reqs.append(req)
@@ -72,8 +75,10 @@ class ForwardBatch:
 
 
 class StepOutput(NamedTuple):
-    """Per request of the plan: the sampled token (None where the plan did not sample)."""
+    """Per request of the plan: the sampled token (None where the plan did not sample), and the
+    prompt log-probs its chunk scored (`PendingPromptLogprobs.result`; None where none)."""
 
     next_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list | None]
+    input_logprobs: list[list | None]

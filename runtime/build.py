@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,7 +20,7 @@ from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
-from hicache.tiers.host.pool import HostKVPool, host_pool_tokens
+from hicache.tiers.host.pool import HostKVPool, available_ram, host_pool_tokens
 from hicache.storage import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
@@ -51,10 +50,10 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     dtype = next(loaded.model.parameters()).dtype
-    context = rc.context_length or cfg.max_position_embeddings
     num_tokens = kv_pool_tokens(rc, cfg, dtype, device, cc.page_size)
     if num_tokens < cc.page_size:
         raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
+    context = served_context(rc.context_length or cfg.max_position_embeddings, num_tokens)
     pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     pages_per_req = -(-context // cc.page_size)
     req_table = ReqToTokenTable(rc.max_running_requests, pages_per_req * cc.page_size, device)
@@ -66,6 +65,7 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks, frozenset(windows))
     controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
+                                 load_decision=cc.hicache_load_decision,
                                  window=max(windows.values()) if windows else None)
     if cc.storage and controller.enabled:
         attach_storage(controller, cc, rc, loaded, host_pool)
@@ -119,7 +119,8 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                    page_size: int) -> int:
     """L1 size in tokens: `max_total_tokens` when given, else `mem_fraction_static` of the device
-    memory minus what is already used (on CPU: of available RAM, capped at CPU_KV_CAP_BYTES)."""
+    memory minus what is already used (on CPU: of available RAM, page cache included, capped at
+    CPU_KV_CAP_BYTES)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
     per_token = DeviceKVPool.token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -127,12 +128,17 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)
     else:
-        budget = min(_available_ram() * rc.mem_fraction_static * 0.25, CPU_KV_CAP_BYTES)
+        budget = min(available_ram() * rc.mem_fraction_static * 0.25, CPU_KV_CAP_BYTES)
     return int(max(budget, 0) // per_token) // page_size * page_size
 
 
-def _available_ram() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def served_context(context: int, pool_tokens: int) -> int:
+    """The context length served: a running request holds all its KV in L1, so no more than L1."""
+    if pool_tokens < context:
+        logger.warning("the L1 KV pool (%d tokens) is smaller than the context length (%d): serving a context of "
+                       "%d tokens; raise max_total_tokens or mem_fraction_static for more", pool_tokens, context,
+                       pool_tokens)
+    return min(context, pool_tokens)
 
 
 def build_scheduler(rc: RuntimeConfig, cc: HiCacheConfig) -> Scheduler:

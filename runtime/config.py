@@ -16,7 +16,7 @@ class RuntimeConfig:
     load_format: str = field(default="auto", metadata={"help": "auto, gguf, safetensors or dummy (random weights from config.json)."})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."})
     device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda."})
-    context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens; default: the model's."})
+    context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens; default: the model's, or the L1 pool's size if smaller (a running request holds all its KV in L1)."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "L1 KV pool size in tokens (overrides mem_fraction_static)."})
     mem_fraction_static: float = field(default=0.85, metadata={"help": "Fraction of device memory for weights + L1 KV pool (on CPU: of available host memory, capped)."})
     max_running_requests: int = field(default=256, metadata={"help": "Max requests in one batch."})

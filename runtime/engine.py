@@ -15,6 +15,7 @@ from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput, expand_n
 from hicache.runtime.build import build_scheduler
+from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.stop import trim_stop
 from hicache.runtime.tokenizer import apply_chat_template
@@ -53,10 +54,14 @@ class Engine:
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, cache_salt: str = "") -> dict | list[dict]:
+                 top_logprobs_num: int = 0, cache_salt: str = "", logprob_start_len: int = -1,
+                 return_text_in_logprobs: bool = False) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list (returns a list; n > 1 also gives a
-        list). Bad input raises ValueError naming the field before anything is queued."""
-        msgs, single = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt)
+        list). Bad input raises ValueError naming the field before anything is queued. With
+        `return_logprob`, meta_info holds SGLang's log-prob fields (runtime/logprob_meta.py),
+        prompt tokens from `logprob_start_len` on included."""
+        msgs, single = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
+                                      logprob_start_len)
         done = threading.Event()
         results: dict[str, list[TokenOutput]] = {m.rid: [] for m in msgs}
         remaining = [len(msgs)]
@@ -73,14 +78,16 @@ class Engine:
         self._submit(msgs, on_output)
         while not done.wait(0.5):
             self._raise_if_dead()
-        outs = [self._result(m, results[m.rid]) for m in msgs]
+        outs = [self._result(m, results[m.rid], return_text_in_logprobs) for m in msgs]
         return outs[0] if single else outs
 
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
                              input_ids: list[int] | None = None, return_logprob: bool = False,
-                             top_logprobs_num: int = 0, cache_salt: str = "") -> AsyncIterator[dict]:
+                             top_logprobs_num: int = 0, cache_salt: str = "", logprob_start_len: int = -1,
+                             return_text_in_logprobs: bool = False) -> AsyncIterator[dict]:
         """Stream one request: yields cumulative results ({"text", "output_ids", "meta_info"})."""
-        msgs, _ = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt)
+        msgs, _ = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
+                                 logprob_start_len)
         if len(msgs) != 1:
             raise ValueError("async_generate streams one prompt with n = 1")
         loop = asyncio.get_running_loop()
@@ -90,7 +97,7 @@ class Engine:
         try:
             while not seen or seen[-1].finish_reason is None:
                 seen.append(await q.get())
-                yield self._result(msgs[0], seen)
+                yield self._result(msgs[0], seen, return_text_in_logprobs)
         finally:
             if not seen or seen[-1].finish_reason is None:
                 self.abort(msgs[0].rid)
@@ -128,7 +135,8 @@ class Engine:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt):
+    def _requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
+                  logprob_start_len):
         """The messages to queue, checked here: the scheduler thread only checks what needs it."""
         single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)))
         ids = self._token_ids(prompt, input_ids)
@@ -138,7 +146,7 @@ class Engine:
         msgs = []
         for one_ids, p in zip(ids, params):
             base = GenerateRequest(f"eng-{next(self._ids)}-{uuid.uuid4().hex[:8]}", one_ids, p,
-                                   return_logprob, top_logprobs_num, cache_salt)
+                                   return_logprob, top_logprobs_num, cache_salt, logprob_start_len)
             for m in expand_n(base):
                 self.scheduler.validate(m)
                 msgs.append(m)
@@ -169,7 +177,7 @@ class Engine:
                 raise ValueError("prompt: must be a non-empty string")
         return [self.tokenizer(p).input_ids for p in prompts]
 
-    def _result(self, msg: GenerateRequest, outs: list[TokenOutput]) -> dict:
+    def _result(self, msg: GenerateRequest, outs: list[TokenOutput], text_in_logprobs: bool = False) -> dict:
         last = outs[-1]
         if last.error:
             raise ValueError(last.error)
@@ -181,7 +189,10 @@ class Engine:
             text = trim_stop(text, last.finish_reason, p.no_stop_trim)
         meta = dict(last.meta, id=msg.rid, finish_reason=last.finish_reason)
         if msg.return_logprob:
-            meta["output_token_logprobs"] = [lp for o in outs for lp in (o.logprobs or [])]
+            prompt = next((o.input_logprobs for o in outs if o.input_logprobs is not None), None)
+            decode = (lambda t: self.tokenizer.decode([t])) if text_in_logprobs and self.tokenizer else None
+            meta.update(sglang_logprobs(msg.input_ids, prompt, ids, [lp for o in outs for lp in (o.logprobs or [])],
+                                        msg.top_logprobs_num, decode))
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _submit(self, msgs: list[GenerateRequest], callback: Callable[[TokenOutput], None]) -> None:

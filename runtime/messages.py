@@ -23,6 +23,8 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     cache_salt: str = ""  # tenants with different salts never share cached KV
+    # with return_logprob: log-probs of prompt tokens [logprob_start_len, len(input_ids)); -1: none
+    logprob_start_len: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as msgpack builtins; `sampling_params` as `SamplingParams.to_wire()`."""
@@ -53,6 +55,8 @@ class TokenOutput:
     with "matched" naming the stop token id or stop string. `meta` carries prompt_tokens,
     completion_tokens, cached_tokens and cached_tokens_details {device, host, storage}.
     `logprobs`: per new token [token_logprob, [[token_id, logprob], ...top-k]] when asked.
+    `input_logprobs`: the same per prompt token from `logprob_start_len` on (the first one's
+    [None, None]: nothing predicts it), once, with the request's first output after its prompt.
     `error` is set (and finish_reason type "abort") when the request was rejected.
     """
 
@@ -62,6 +66,7 @@ class TokenOutput:
     meta: dict = field(default_factory=dict)
     logprobs: list | None = None
     error: str | None = None
+    input_logprobs: list | None = None
 
 
 def expand_n(msg: GenerateRequest) -> list[GenerateRequest]:

@@ -1,9 +1,11 @@
-"""`ModelConfig`: the architecture of a model we run (Llama family, Gemma 3 text), read from an HF
+"""`ModelConfig`: the architecture of a decoder we run: the Llama family (Llama, Mistral, Qwen2/2.5,
+Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral) and Gemma 3 text, read from an HF
 config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
-5.x (`rope_parameters`) spellings. `fingerprint` namespaces cache keys (docs/formats.md): two models
-whose KV could differ never share it.
+5.x (`rope_parameters`) spellings. What sets the families apart is a few options: biases on the
+q/k/v projections, a per-head RMSNorm of q and k, and a sparse MLP (`MoEConfig`). `fingerprint`
+namespaces cache keys (docs/formats.md): two models whose KV could differ never share it.
 """
 from __future__ import annotations
 
@@ -11,16 +13,58 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 _GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072,
                     "head_dim": 256}
+
+
+class Family(NamedTuple):
+    """What an HF architecture adds to the Llama decoder."""
+    model_type: str
+    qkv_bias: bool  # the q/k/v projections carry biases
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE
+    moe: bool  # sparse MLP layers (routed experts)
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family("llama", False, False, False),
+    "MistralForCausalLM": Family("mistral", False, False, False),
+    "Qwen2ForCausalLM": Family("qwen2", True, False, False),
+    "Qwen3ForCausalLM": Family("qwen3", False, True, False),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", True, False, True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", False, True, True),
+    "MixtralForCausalLM": Family("mixtral", False, False, True),
+    "Gemma3ForCausalLM": Family("gemma3_text", False, True, False),  # and its own blocks: models/gemma3.py
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+_MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
 # "freq_factors": llama.cpp's per-dimension divisors of inv_freq (GGUF tensor rope_freqs.weight),
 # which is how a Llama-3.1 GGUF carries its llama3 scaling.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP: each token's `top_k` experts by router softmax, their outputs weighted by
+    the top-k probabilities (renormalised to sum to 1 when `norm_topk_prob`), plus a
+    sigmoid-gated shared expert when `shared_intermediate_size` > 0."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    sparse_step: int = 1  # layer i is sparse when (i + 1) % sparse_step == 0 ...
+    dense_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +91,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the windowed layers (plain RoPE)
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -0.5 power
     final_logit_softcapping: float | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -59,10 +106,15 @@ class ModelConfig:
 
     @property
     def fingerprint(self) -> str:
-        """16 hex digits of sha256 over every field but the token ids (they do not change KV)."""
+        """16 hex digits of sha256 over every field but the token ids (they do not change KV).
+        Family options at their defaults are left out: a Llama's fingerprint, and the L3 keys it
+        seeds, do not depend on which options exist."""
         d = asdict(self)
         d.pop("bos_token_id")
         d.pop("eos_token_ids")
+        for option in ("qkv_bias", "qk_norm", "moe"):
+            if not d[option]:
+                d.pop(option)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -88,16 +140,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, d: dict, name: str | None = None) -> ModelConfig:
-        """Build from an HF config.json dict (LlamaForCausalLM / MistralForCausalLM).
+        """Build from an HF config.json dict (one of SUPPORTED_ARCHITECTURES).
 
         Raises ValueError for other architectures and for features our models lack
-        (attention/MLP biases, other activations, unknown RoPE types).
+        (output/MLP biases, other activations, unknown RoPE types).
         """
         arch = _architecture(d)
-        _check_supported(d, arch)
+        family = FAMILIES[arch]
+        _check_supported(d, arch, family)
         if arch == "Gemma3ForCausalLM":
             d = {**_GEMMA3_DEFAULTS, **d}
-        extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _mistral_fields(d)
+        extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _window_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
@@ -119,6 +172,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch,
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
+            qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
+            qk_norm=family.qk_norm,
+            moe=_moe(d) if family.moe else None,
             **extra,
         )
 
@@ -134,11 +190,11 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
-        if self.architecture not in ("LlamaForCausalLM", "MistralForCausalLM") or self.sliding_window is not None:
+        if self.architecture == "Gemma3ForCausalLM" or self.sliding_window is not None:
             raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
-            "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
+            "model_type": FAMILIES[self.architecture].model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -156,6 +212,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
+            **_moe_hf_keys(self),
         }
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "freq_factors":
             raise ValueError("freq_factors RoPE (from a GGUF rope_freqs tensor) has no HF config spelling")
@@ -173,8 +230,8 @@ def _architecture(d: dict) -> str:
     raise ValueError(f"unsupported architecture {got!r}: hicache runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _check_supported(d: dict, arch: str) -> None:
-    if d.get("attention_bias") or d.get("mlp_bias"):
+def _check_supported(d: dict, arch: str, family: Family) -> None:
+    if (d.get("attention_bias") and not family.qkv_bias) or d.get("mlp_bias"):
         raise ValueError(f"{arch} with attention or MLP biases is not supported")
     act, want = _activation(d, arch)
     if act != want:
@@ -192,10 +249,13 @@ def _activation(d: dict, arch: str) -> tuple[str, str]:
     return d.get("hidden_act", "silu"), "silu"
 
 
-def _mistral_fields(d: dict) -> dict:
-    """Llama and Mistral: a sliding window applies to every layer (Mistral's `sliding_window`)."""
+def _window_fields(d: dict) -> dict:
+    """The Llama family: a sliding window applies to every layer (Mistral's `sliding_window`; Qwen's
+    configs name a window they do not use)."""
     window = d.get("sliding_window")
-    return {} if window is None else {"sliding_window": int(window)}
+    if window is None or d.get("use_sliding_window") is False:
+        return {}
+    return {"sliding_window": int(window)}
 
 
 def _gemma3_fields(d: dict) -> dict:
@@ -223,6 +283,35 @@ def _gemma3_global_rope(d: dict) -> dict:
     if FULL not in params:
         return {**d, "rope_theta": d.get("rope_theta") or 1_000_000.0}
     return {**d, "rope_parameters": params[FULL], "rope_theta": params[FULL].get("rope_theta")}
+
+
+def _moe(d: dict) -> MoEConfig:
+    """Qwen-MoE spelling (num_experts, moe_intermediate_size, ...) or Mixtral's (num_local_experts,
+    intermediate_size, always renormalised)."""
+    if d.get("moe_intermediate_size") is None:
+        return MoEConfig(int(d["num_local_experts"]), int(d["num_experts_per_tok"]), int(d["intermediate_size"]),
+                         norm_topk_prob=True)
+    return MoEConfig(
+        num_experts=int(d.get("num_experts") or d["num_local_experts"]),
+        top_k=int(d["num_experts_per_tok"]),
+        intermediate_size=int(d["moe_intermediate_size"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        shared_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        sparse_step=int(d.get("decoder_sparse_step") or 1),
+        dense_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+    )
+
+
+def _moe_hf_keys(cfg: ModelConfig) -> dict:
+    m = cfg.moe
+    if m is None:
+        return {}
+    if cfg.architecture == "MixtralForCausalLM":
+        return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                "intermediate_size": m.intermediate_size}
+    return {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.intermediate_size,
+            "norm_topk_prob": m.norm_topk_prob, "shared_expert_intermediate_size": m.shared_intermediate_size,
+            "decoder_sparse_step": m.sparse_step, "mlp_only_layers": list(m.dense_layers)}
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:

@@ -114,7 +114,7 @@ class OverlapLoop:
             fence = s.runner.fence()
             self.inflight = Launched(plan, s.runner.launch(plan), fence, s.early_releases)
         elif prev is None:
-            s.cache.idle_wait()
+            s.idle_wait()
 
     def apply(self) -> None:
         """Applies the launched step now (waits for its tokens)."""
@@ -139,8 +139,10 @@ class OverlapLoop:
 
     def _still_blocked(self) -> bool:
         """Nothing could be admitted at the last schedule() and nothing changed since (no arrival,
-        admission, finish, abort or retraction, no L3 prefetch pending): decoding on delays no one."""
-        return self._blocked_at == self.sched.queue_version and not self.sched.cache.prefetches_waiting()
+        admission, finish, abort or retraction, no L3 prefetch pending, no grammar compiling): decoding
+        on delays no one."""
+        s = self.sched
+        return self._blocked_at == s.queue_version and not s.cache.prefetches_waiting() and not s.grammars_compiling()
 
     def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, torch.Tensor]:
         """The continuation less the requests that finished at the step before it."""

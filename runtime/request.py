@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from hicache.manager import Lease
+from hicache.runtime.grammar import RequestGrammar
 from hicache.runtime.sampling import SamplingParams
 
 
@@ -16,7 +17,8 @@ class Req:
     """
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, namespace: str,
-                 generator: torch.Generator | None, return_logprob: bool, top_logprobs_num: int):
+                 generator: torch.Generator | None, return_logprob: bool, top_logprobs_num: int,
+                 logprob_start_len: int = -1):
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
@@ -25,6 +27,12 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.output_ids: list[int] = []
+        # prompt log-probs: tokens [input_logprob_start, len(input_ids)) get an entry (none when
+        # that is the prompt's length); position p's logits score prompt token p + 1
+        n = len(input_ids)
+        self.input_logprob_start = logprob_start_len if return_logprob and 0 <= logprob_start_len < n else n
+        self.input_logprobs: list = []  # [logprob, top] of positions input_logprob_start, +1, ... so far
+        self.input_logprobs_sent = False
         self.lease = Lease(namespace, self)
         self.kv_len = 0
         self.cached_tokens: int | None = None  # prefix served from cache at first admission
@@ -34,6 +42,7 @@ class Req:
         self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
         self.arrival_seq = 0
         self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
+        self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
 
     @property
     def all_ids(self) -> list[int]:
@@ -44,6 +53,29 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    def input_logprob_positions(self, start: int, n: int) -> tuple[int, int]:
+        """The positions [a, b) of a chunk computing tokens [start, start + n) whose prompt
+        log-probs are still missing (a == b: none)."""
+        a = max(start, self.input_logprob_start + len(self.input_logprobs))
+        return a, max(a, min(start + n, len(self.input_ids) - 1))
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many tokens of `all_ids` a cache match may cover: all but the last, and none from
+        the first position whose prompt log-prob is still missing (that position is recomputed)."""
+        need = self.input_logprob_start + len(self.input_logprobs)
+        return min(self.seq_len - 1, need) if need < len(self.input_ids) - 1 else self.seq_len - 1
+
+    def take_input_logprobs(self) -> list | None:
+        """The prompt log-prob entries for `TokenOutput.input_logprobs`, once they are all computed,
+        once (None before, after, or when none were asked for)."""
+        n = len(self.input_ids)
+        if self.input_logprobs_sent or self.input_logprob_start == n or \
+                self.input_logprob_start + len(self.input_logprobs) < n - 1:
+            return None
+        self.input_logprobs_sent = True
+        return [[None, None]] + self.input_logprobs
 
     @property
     def holds_kv(self) -> bool:
@@ -56,6 +88,13 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt={len(self.input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"
+
+
+def check_logprob_start(start: int, prompt_len: int) -> None:
+    """Raises ValueError naming `logprob_start_len` unless it is -1 or in [0, prompt_len]."""
+    if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start <= prompt_len:
+        raise ValueError(f"logprob_start_len: must be -1 (no prompt log-probs) or in [0, {prompt_len}] "
+                         f"(the prompt's length), got {start!r}")
 
 
 def check_prompt(ids: list[int], max_new_tokens: int, vocab_size: int, context_length: int, kv_tokens: int) -> None:

@@ -8,8 +8,10 @@ import itertools
 
 import torch
 
+from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
+from hicache.runtime.grammar import fill_bitmask
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -56,9 +58,10 @@ class ModelRunner:
     def forward(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Queues the forward pass (no host sync on CUDA, but for a load-back's first wait). Returns
         the plan's rows that sample and their logits [len(rows), V] float32 on the device (with a
-        CUDA graph: a view valid until the next forward). `input_ids` [N] int64 on the device, for
-        a decode plan only: the token each request computes, instead of `req.all_ids[start]` (the
-        previous step's samples, before the host has them)."""
+        CUDA graph: a view valid until the next forward). An extend plan's prompt log-probs are
+        queued too (`plan.prompt_logprobs`, runtime/prompt_logprobs.py). `input_ids` [N] int64 on
+        the device, for a decode plan only: the token each request computes, instead of
+        `req.all_ids[start]` (the previous step's samples, before the host has them)."""
         rows = [i for i, s in enumerate(plan.sample) if s]
         if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
             if plan.loads is not None:  # a graph reads every layer: wait for whole load-backs
@@ -70,6 +73,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, batch)
         if plan.loads is not None:  # what follows on the compute stream comes after the whole load
             plan.loads.wait_layer(None)
+        if plan.mode == "extend":
+            plan.prompt_logprobs = prompt_logprobs.launch(self.model, hidden, plan)
         if not rows:
             return rows, None
         ends = list(itertools.accumulate(plan.extend_lens))
@@ -105,16 +110,18 @@ class ModelRunner:
         return ids_dev, meta[4 * n:4 * n + total], batch
 
     def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None) -> PendingStep:
-        """Queues the sampling of `rows` (from `forward`); reads the requests' history on the host."""
+        """Queues the sampling of `rows` (from `forward`); reads the requests' history and grammar
+        matchers on the host (the matchers have accepted every token appended so far)."""
         if not rows:
-            return PendingStep(len(plan.reqs), rows, None)
+            return PendingStep(len(plan.reqs), rows, None, plan.prompt_logprobs)
         reqs = [plan.reqs[i] for i in rows]
+        bitmask = fill_bitmask([r.grammar for r in reqs], logits.shape[1])  # while the pass runs
         with torch.inference_mode():
             pending = self.sampler.launch(
                 logits, [r.params for r in reqs], [r.generator for r in reqs],
                 [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
-        return PendingStep(len(plan.reqs), rows, pending)
+                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs], bitmask)
+        return PendingStep(len(plan.reqs), rows, pending, plan.prompt_logprobs)
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -126,10 +133,12 @@ def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 class PendingStep:
     """A launched step: the sampled tokens of the sampling rows on the device at once
-    (`next_ids`, [len(rows)] int64), the plan's `StepOutput` once `result()` has waited for them."""
+    (`next_ids`, [len(rows)] int64), the plan's `StepOutput` once `result()` has waited for them
+    (and for its prompt log-probs, if any)."""
 
-    def __init__(self, num_reqs: int, rows: list[int], pending: PendingSample | None):
-        self.num_reqs, self.rows, self.pending = num_reqs, rows, pending
+    def __init__(self, num_reqs: int, rows: list[int], pending: PendingSample | None,
+                 prompt: prompt_logprobs.PendingPromptLogprobs | None = None):
+        self.num_reqs, self.rows, self.pending, self.prompt = num_reqs, rows, pending, prompt
 
     @property
     def next_ids(self) -> torch.Tensor | None:
@@ -137,7 +146,8 @@ class PendingStep:
 
     def result(self) -> StepOutput:
         n = self.num_reqs
-        out = StepOutput([None] * n, [None] * n, [None] * n)
+        out = StepOutput([None] * n, [None] * n, [None] * n,
+                         [None] * n if self.prompt is None else self.prompt.result())
         if self.pending is None:
             return out
         res = self.pending.result()

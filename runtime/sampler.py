@@ -4,6 +4,7 @@ Called by the model runner once per step (prefill or decode), on the scheduler t
 everything a request needs (its params, its generator, its token history) is passed in.
 
 Order of operations, per row:
+  0. logit_bias and the grammar's bitmask (runtime/constraint.py: disallowed tokens get -inf),
   1. repetition penalty (HF semantics: every token id in prompt + output; logit > 0 divided by the
      penalty, logit < 0 multiplied),
   2. frequency and presence penalties (OpenAI semantics: over output tokens only;
@@ -31,6 +32,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from hicache.runtime.constraint import constrain
 from hicache.runtime.pinned import HostCopy, tensor_to, to_device
 from hicache.runtime.sampling import SamplingParams
 
@@ -66,10 +68,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None], prompt_ids: Sequence[Sequence[int]],
                output_ids: Sequence[Sequence[int]], top_logprobs_num: Sequence[int],
-               return_logprob: Sequence[bool] | None = None) -> SampleResult:
+               return_logprob: Sequence[bool] | None = None, bitmask: torch.Tensor | None = None) -> SampleResult:
         """`launch(...).result()`: the host waits for the tokens."""
         return self.launch(logits, params, generators, prompt_ids, output_ids, top_logprobs_num,
-                           return_logprob).result()
+                           return_logprob, bitmask).result()
 
     def launch(self,
                logits: torch.Tensor,  # [B, V] float32, any device
@@ -78,7 +80,8 @@ class Sampler:
                prompt_ids: Sequence[Sequence[int]],
                output_ids: Sequence[Sequence[int]],
                top_logprobs_num: Sequence[int],
-               return_logprob: Sequence[bool] | None = None) -> PendingSample:
+               return_logprob: Sequence[bool] | None = None,
+               bitmask: torch.Tensor | None = None) -> PendingSample:  # [B, ceil(V/32)] int32 allowed tokens
         """Pick one token per row. `logits` is not modified. The tokens stay on the device
         (`PendingSample.next_ids`) and are copied to the host without waiting: `result()` waits.
         Greedy rows queue no host sync; top_p without top_k and presence penalties sync inside.
@@ -92,7 +95,7 @@ class Sampler:
         batch = logits.shape[0]
         assert len(params) == len(generators) == len(prompt_ids) == len(output_ids) == batch
         raw = logits.float()
-        scores = apply_penalties(raw, params, prompt_ids, output_ids)
+        scores = apply_penalties(constrain(raw, params, bitmask), params, prompt_ids, output_ids)
 
         next_ids = torch.empty(batch, dtype=torch.long, device=raw.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]

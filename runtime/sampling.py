@@ -7,6 +7,7 @@ to the client as a 400. From there on the typed object travels: across the sched
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -39,23 +40,39 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Grammar constraints (at most one; see runtime/grammar.py): JSON schema text, regular
+    # expression, EBNF grammar, or XGrammar structural tag (JSON text).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI semantics
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraint, or None."""
+        return next(((k, getattr(self, k)) for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     def to_wire(self) -> dict[str, Any]:
         """Every field as msgpack / JSON builtins (tuples as lists); also a valid `from_dict` input."""
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
         """Rebuild `to_wire()`'s dict without validating the values again: only a front end that
         parsed them with `from_dict` writes it. An unknown key raises TypeError."""
-        return cls(**{k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in d.items()})
+        kw = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in d.items()}
+        if "logit_bias" in kw:
+            kw["logit_bias"] = tuple(tuple(pair) for pair in kw["logit_bias"])
+        return cls(**kw)
 
     @classmethod
     def from_dict(cls, d: dict | None, vocab_size: int) -> SamplingParams:
@@ -71,6 +88,9 @@ class SamplingParams:
             if key not in _FIELD_NAMES:
                 raise ValueError(f"unknown sampling parameter {key!r}")
         kwargs = {k: _VALIDATORS[k](k, v, vocab_size) for k, v in d.items() if v is not None}
+        given = [k for k in GRAMMAR_KINDS if k in kwargs]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one grammar constraint")
         return cls(**kwargs)
 
 
@@ -177,6 +197,40 @@ def _flag(name: str, v: Any, _vocab: int) -> bool:
     return _bool(name, v)
 
 
+def _grammar(name: str, v: Any, _vocab: int) -> str:
+    """A grammar's text, checked by parsing it (compiling it for the tokenizer is the scheduler's
+    work); `json_schema` may also be given as an object, stored as its JSON text."""
+    from hicache.runtime.grammar import check_grammar
+
+    if name == "json_schema" and isinstance(v, dict):
+        v = json.dumps(v)
+    if not isinstance(v, str):
+        raise ValueError(f"{name} must be a string, got {type(v).__name__}")
+    check_grammar(name, v)
+    return v
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(name: str, v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids may be strings of digits: OpenAI's JSON keys) or [[id, bias], ...]
+    (`to_wire`'s form). Sorted by id."""
+    if isinstance(v, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
+        v = dict(v)
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} must be an object mapping token ids to biases, got {type(v).__name__}")
+    out = {}
+    for key, bias in v.items():
+        tid = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab_size:
+            raise ValueError(f"{name} must be keyed by token ids in [0, {vocab_size}), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise ValueError(f"{name} values must be numbers in [-100, 100], got {bias!r} for {key!r}")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 _VALIDATORS = {
     "max_new_tokens": _max_new_tokens,
     "temperature": _temperature,
@@ -194,7 +248,13 @@ _VALIDATORS = {
     "skip_special_tokens": _flag,
     "spaces_between_special_tokens": _flag,
     "no_stop_trim": _flag,
+    "json_schema": _grammar,
+    "regex": _grammar,
+    "ebnf": _grammar,
+    "structural_tag": _grammar,
+    "logit_bias": _logit_bias,
 }
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 _TUPLE_FIELDS = frozenset({"stop", "stop_token_ids"})
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 assert _FIELD_NAMES == set(_VALIDATORS), "every field needs a validator"

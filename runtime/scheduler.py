@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
+from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
-from hicache.runtime.request import Req, check_prompt
+from hicache.runtime.request import Req, check_logprob_start, check_prompt
 from hicache.runtime.sampler import make_generator
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.stop import StopChecker
@@ -40,6 +42,7 @@ class Scheduler:
         self.bytes_per_token = parts.pool.bytes_per_token()
         self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
@@ -59,10 +62,14 @@ class Scheduler:
 
     def validate(self, req: GenerateRequest) -> SamplingParams:
         """Checks what needs the scheduler: prompt ids in the vocabulary, prompt + max_new_tokens
-        within the context and the KV pool (the front end parsed the sampling parameters). Raises
-        ValueError naming the bad field; returns the request's sampling parameters."""
+        within the context and the KV pool, logprob_start_len within the prompt (the front end
+        parsed the sampling parameters). Raises ValueError naming the bad field; returns the
+        request's sampling parameters."""
         check_prompt(req.input_ids, req.sampling_params.max_new_tokens, self.model_config.vocab_size,
                      self.context_length, self.cache.capacity_tokens())
+        check_logprob_start(req.logprob_start_len, len(req.input_ids))
+        if req.sampling_params.grammar is not None and self.tokenizer is None:
+            raise ValueError(f"{req.sampling_params.grammar[0]}: this model has no tokenizer to compile grammars for")
         return req.sampling_params
 
     def add_request(self, msg: GenerateRequest) -> None:
@@ -74,13 +81,12 @@ class Scheduler:
         seq = next(self._arrivals)
         gen = None if params.is_greedy else make_generator(params.seed, self.rc.random_seed * 1_000_003 + seq,
                                                            self.runner.device)
-        req = Req(msg.rid, list(msg.input_ids), params, msg.cache_salt, gen, msg.return_logprob, msg.top_logprobs_num)
+        req = Req(msg.rid, list(msg.input_ids), params, msg.cache_salt, gen, msg.return_logprob, msg.top_logprobs_num,
+                  msg.logprob_start_len)
         req.arrival_seq = seq
-        if params.max_new_tokens == 0:
-            req.cached_tokens = 0
-            self._emit(req, [], {"type": "length", "length": 0}, None)
-            return
-        self._enqueue(req)
+        if params.grammar is not None:
+            req.grammar = self.grammars.start(*params.grammar)
+        self._enqueue(req)  # max_new_tokens 0 too: its prompt is computed (log-probs) and cached
         self.cache.prefetch(req.rid, req.all_ids[:-1], req.namespace)
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
@@ -133,11 +139,22 @@ class Scheduler:
         elif (plan := self.schedule()) is not None:
             self.process_result(plan, self.runner.run(plan))
         else:
-            self.cache.idle_wait()
+            self.idle_wait()
         outs, self._outputs = self._outputs, []
         return outs
 
+    def idle_wait(self) -> None:
+        """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""
+        if not wait_compiling(self.waiting):
+            self.cache.idle_wait()
+
+    def grammars_compiling(self) -> bool:
+        """A waiting request's grammar was not ready at the last admission: once it is, the
+        request may join the batch (the overlap loop plans afresh meanwhile)."""
+        return any_unseen(self.waiting)
+
     def close(self) -> None:
+        self.grammars.close()
         self.cache.close()
 
     def flush_cache(self) -> bool:
@@ -202,12 +219,19 @@ class Scheduler:
 
     def _admit_waiting(self, plan: BatchPlan, budget: int, after: BatchPlan | None) -> None:
         ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
-        cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:-1], r.namespace).tokens)
+        cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:r.prefix_limit],
+                                                                              r.namespace).tokens)
+        for req in look_at(self.waiting):  # its grammar did not compile
+            self.waiting.remove(req)
+            self.cache.revoke(req.rid)
+            self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
         for req in self.policy.order(self.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
                 break  # (one retracted from the launched step waits until that step is applied)
             if self.policy.over_step_cap(plan.kv_tokens(), req):
                 break  # L1 left for the next step's load-backs (runtime/overlap.py)
+            if req.grammar is not None and not req.grammar.seen_ready:
+                continue  # its grammar is compiling
             got = self.cache.prefetch_ready(req.rid)
             if got is None:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
@@ -224,7 +248,7 @@ class Scheduler:
         """Admits `req` with its cached prefix (loaded back from L2 where needed) and the slots of
         its first chunk. Returns the chunk length, or 0 (nothing held) when memory is short, or
         when a request of the launched step `after` may give the tree more of this prompt."""
-        match = self.cache.match(req.all_ids[:-1], req.namespace)
+        match = self.cache.match(req.all_ids[:req.prefix_limit], req.namespace)
         if after is not None and self.policy.wait_for_launched(req, match.tokens, after.reqs):
             return 0
         headroom = self.policy.decode_headroom(self.running, launched=after is not None)
@@ -313,6 +337,8 @@ class Scheduler:
         logger.info("retracting %s to free KV memory", req)
         self.running.remove(req)
         self._release(req, keep_kv)
+        if req.grammar is not None:
+            req.grammar.sync(req.output_ids)
         self.counters["retractions"] += 1
         self.early_releases += 1
         self.waiting.insert(0, req)
@@ -327,25 +353,37 @@ class Scheduler:
 
     def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
         dropped = self._settle_loads(plan) if plan.loads is not None else ()
+        if plan.mode == "extend":  # the prefill rate that loads from L2 and L3 are weighed against
+            self.cache.record_prefill(sum(plan.extend_lens), time.perf_counter() - plan.created)
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
             if plan.mode == "extend":
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
+                req.input_logprobs.extend(out.input_logprobs[i] or ())
             token = out.next_ids[i]
             if token is None:
                 continue
+            if req.params.max_new_tokens == 0:  # the prompt alone was asked for: its token is dropped
+                self._finish(req)
+                self._emit(req, [], {"type": "length", "length": 0}, None)
+                continue
             req.output_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)
             if reason is not None:
-                self.running.remove(req)
-                self.queue_version += 1
-                self._release(req, keep_kv=req.cache_kv)
-                self.counters["requests_finished"] += 1
+                self._finish(req)
             self._emit(req, [token], reason, logprobs)
+
+    def _finish(self, req: Req) -> None:
+        self.running.remove(req)
+        self.queue_version += 1
+        self._release(req, keep_kv=req.cache_kv)
+        self.counters["requests_finished"] += 1
 
     def _settle_loads(self, plan: BatchPlan) -> set[int]:
         """Before a token sampled over loaded-back pages goes out, those loads must have landed (on
@@ -364,7 +402,9 @@ class Scheduler:
         return dropped
 
     def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
-        self._outputs.append(TokenOutput(req.rid, new_ids, reason, usage(req), logprobs))
+        """An output; a request's first one after its prompt carries the prompt's log-probs."""
+        prompt = req.take_input_logprobs()
+        self._outputs.append(TokenOutput(req.rid, new_ids, reason, usage(req), logprobs, input_logprobs=prompt))
 
     # ---- introspection ---------------------------------------------------------------------
 

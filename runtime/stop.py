@@ -17,6 +17,8 @@ class StopChecker:
         p, token = req.params, req.output_ids[-1]
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
             return {"type": "stop", "matched": token}
+        if req.grammar is not None and req.grammar.finished:
+            return {"type": "stop", "matched": token}
         matched = self._stop_string(req)
         if matched is not None:
             return {"type": "stop", "matched": matched}

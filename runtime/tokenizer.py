@@ -43,15 +43,26 @@ def load_tokenizer(path: str | os.PathLike) -> Any | None:
     return AutoTokenizer.from_pretrained(str(p))
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
+def apply_chat_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered with the tokenizer's chat template, ending with the
-    assistant generation prompt. Raises ValueError if the tokenizer has no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assistant generation prompt; `tools` (OpenAI function specs) go to templates that take them.
+    Raises ValueError if the tokenizer has no chat template."""
+    _require_template(tokenizer)
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding by default
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """`messages` rendered with the tokenizer's chat template, as text. ValueError without a template."""
+    _require_template(tokenizer)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def _require_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
 
 
 @lru_cache(maxsize=8)

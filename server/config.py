@@ -4,23 +4,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hicache.server.tools import FORMATS as TOOL_CALL_FORMATS
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."})
     port: int = field(default=30000, metadata={"help": "TCP port to listen on."})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on every route but /health."})
-    served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by /v1/models and expected in requests; default: the model's own name."})
+    served_model_name: tuple[str, ...] = field(default=(), metadata={"help": "Model names (one or more, space-separated) that requests may name, besides --model-path as given; the first is the name responses report. Default: the model's own name."})
     max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
     startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
     allowed_origins: str | None = field(default=None, metadata={"help": "Comma-separated origins (scheme://host[:port]) whose web pages may call the API from a browser (CORS), or '*' for any; default: none, and no CORS headers are sent."})
+    allowed_hosts: str | None = field(default=None, metadata={"help": "Comma-separated host names (the Host header, port ignored) the server answers, or '*' for any; others get 400, which stops DNS-rebinding pages from reaching a local server. Default: the loopback names (localhost, 127.0.0.1, ::1) when bound to a loopback address, any host otherwise."})
     request_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a client gets to send a request's headers (from its first byte, or from connecting) and, again, its body; then the server answers 408 and closes the connection."})
+    tool_call_parser: str | None = field(default=None, metadata={"help": "How tool calls look in the model's output: hermes (<tool_call>{...}</tool_call>) or llama3 (a bare JSON object); default: detected from the chat template (hermes when it says nothing)."})
+    response_write_timeout: float = field(default=60.0, metadata={"help": "Seconds one write of a response may wait for a client that stops reading it (a stalled stream); then its requests are aborted and the connection closed."})
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name given as a plain string
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        if any(not name for name in self.served_model_name):
+            raise ValueError("served_model_name: a model name must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1024:
@@ -29,6 +38,10 @@ class ServerConfig:
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if not self.request_read_timeout > 0:
             raise ValueError(f"request_read_timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
+        if not self.response_write_timeout > 0:
+            raise ValueError(f"response_write_timeout must be > 0 seconds, got {self.response_write_timeout}")
         for origin in self.origins():
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin such as https://example.com:8080")
@@ -38,4 +51,17 @@ class ServerConfig:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
+    def hosts(self) -> frozenset[str] | None:
+        """The host names answered, lower case, without ports; None means any."""
+        names = {h.strip().lower().strip("[]") for h in (self.allowed_hosts or "").split(",") if h.strip()}
+        if "*" in names:
+            return None
+        if names:
+            return frozenset(names)
+        if self.host in LOOPBACK_HOSTS:
+            return LOOPBACK_HOSTS
+        return None
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 _ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")

@@ -1,7 +1,8 @@
 """argparse flags built from the config dataclasses: one field, one `--kebab-case` flag.
 
 Defaults and help come from the field (written once, in the dataclass); a bool field becomes a
-store_true flag. `configs_from_args` rebuilds the frozen configs, so their own checks apply.
+store_true flag, a `tuple[str, ...]` field a flag taking one or more values. `config_from_args`
+rebuilds the frozen configs, so their own checks apply.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str) 
             action = argparse.BooleanOptionalAction if default else "store_true"
             group.add_argument(flag, dest=f.name, action=action, default=bool(default), help=help_text)
             continue
+        if base is tuple:
+            group.add_argument(flag, dest=f.name, nargs="+", type=str, default=default, metavar=f.name.upper(),
+                               help=help_text)
+            continue
         shown = "" if default is None else f" (default: {default})"
         group.add_argument(flag, dest=f.name, type=_parser_for(base, optional), default=default,
                            metavar=f.name.upper(), help=help_text + shown)
@@ -41,6 +46,8 @@ def _base_type(hint: Any) -> tuple[type, bool]:
         return str, True
     if hint in (bool, *_SCALARS):
         return hint, False
+    if origin is tuple:
+        return tuple, False
     return str, False
 
 
@@ -56,4 +63,5 @@ def _parser_for(base: type, optional: bool):
 
 def config_from_args(cls: type, args: argparse.Namespace):
     """Instantiate `cls` from the parsed flags (ValueError from its checks propagates)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})

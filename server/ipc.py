@@ -193,6 +193,10 @@ def _checker(hint) -> _Check:
     if origin in (typing.Union, types.UnionType):
         parts = [_checker(a) for a in args]
         return lambda v: any(p(v) for p in parts)
+    if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length: a type per position
+        parts = [_checker(a) for a in args]
+        return lambda v: isinstance(v, (list, tuple)) and len(v) == len(parts) and all(
+            p(x) for p, x in zip(parts, v))
     if origin in (list, tuple):
         return _sequence_checker(args[0] if args else Any)
     if origin is dict or hint in (dict, list):

@@ -85,7 +85,7 @@ async def _announce(server: uvicorn.Server, config: ServerConfig, tm: TokenizerM
         await asyncio.sleep(0.05)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     url = f"http://{host}:{config.port}"
-    print(f"hicache: serving {config.served_model_name or tm.info.model_name} at {url} "
+    print(f"hicache: serving {(config.served_model_name or (tm.info.model_name,))[0]} at {url} "
           f"(OpenAI base URL {url}/v1; stats: hicache stats --url {url})", flush=True)
 
 

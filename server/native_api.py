@@ -6,15 +6,15 @@ import json
 import time
 import uuid
 from dataclasses import asdict, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
-from hicache.runtime.sampling import SamplingParams
-from hicache.server.openai_api import SSE_HEADERS, stream_error, tm_of
+from hicache.runtime.sampling import GRAMMAR_KINDS, SamplingParams
 from hicache.server.protocol import (
     AbortReqInput,
     APIError,
@@ -26,6 +26,8 @@ from hicache.server.protocol import (
     require_json,
 )
 from hicache.server.serving import (
+    ChoiceResult,
+    SSE_HEADERS,
     check_prompt,
     check_sampling,
     collect,
@@ -33,12 +35,15 @@ from hicache.server.serving import (
     make_requests,
     resolve_max_tokens,
     stream_all,
+    stream_error,
+    tm_of,
 )
 from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerManager
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 MAX_N = 128  # samples per prompt
+NATIVE_RENAMES = {k: f"sampling_params.{k}" for k in (*GRAMMAR_KINDS, "logit_bias")}
 
 
 # ---- /generate ------------------------------------------------------------------------------
@@ -51,27 +56,41 @@ async def generate(request: Request):
     prompts, batched = _native_prompts(tm, body)
     params = _native_sampling(tm, body.sampling_params or {}, prompts)
     rid = body.rid or uuid.uuid4().hex
+    _check_logprob_start(body.logprob_start_len, prompts)
     reqs = make_requests(prompts, params, rid, body.return_logprob, body.top_logprobs_num,
-                         body.cache_salt or body.extra_key)
+                         body.cache_salt or body.extra_key, body.logprob_start_len)
     multi = batched or params.n > 1
+    shape = _Shape(body.return_logprob, (lambda t: tm.token_str(t)) if body.return_text_in_logprobs else None)
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:
             await rest.aclose()
             raise APIError(first[1].error_status, first[1].error)
-        return StreamingResponse(_native_sse(reqs, rest, multi, body.return_logprob), media_type="text/event-stream",
+        return StreamingResponse(_native_sse(reqs, rest, multi, shape), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     started = time.perf_counter()
     results = await collect(tm, reqs, request)
-    out = [_native_result(r.rid, res.text, res.output_ids, res.meta, res.finish_reason, res.logprobs,
-                          body.return_logprob, time.perf_counter() - started) for r, res in zip(reqs, results)]
+    out = [_native_result(r, res, shape, time.perf_counter() - started) for r, res in zip(reqs, results)]
     return out if multi else out[0]
+
+
+def _check_logprob_start(start: int, prompts: list[list[int]]) -> None:
+    """SGLang's rule: -1 (no prompt log-probs), else at most the prompt's length."""
+    shortest = min(len(p) for p in prompts)
+    if start > shortest:
+        raise APIError(400, f"logprob_start_len: {start} is beyond the prompt's {shortest} tokens",
+                       param="logprob_start_len", code="invalid_value")
+
+
+class _Shape(NamedTuple):
+    return_logprob: bool
+    decode: Callable[[int], str] | None  # return_text_in_logprobs
 
 
 def _native_sampling(tm: TokenizerManager, sampling: dict, prompts: list[list[int]]) -> SamplingParams:
     """The parsed sampling parameters. max_new_tokens null means as many as fit every prompt;
     more than fit is a 400."""
-    params = check_sampling(sampling, tm.info.vocab_size)
+    params = check_sampling(sampling, tm.info.vocab_size, NATIVE_RENAMES)
     if params.n > MAX_N:
         raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {params.n}", param="n", code="invalid_value")
     requested = sampling.get("max_new_tokens", params.max_new_tokens)
@@ -100,16 +119,14 @@ def _native_prompts(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[
     return prompts, batched
 
 
-def _native_result(rid: str, text: str, output_ids: list[int], meta: dict, finish: dict | None,
-                   logprobs: list, return_logprob: bool, e2e: float | None = None) -> dict:
-    info = {"id": rid, "finish_reason": finish, **_meta_fields(meta)}
+def _native_result(req: GenerateRequest, res: ChoiceResult, shape: _Shape, e2e: float | None = None) -> dict:
+    info = {"id": req.rid, "finish_reason": res.finish_reason, **_meta_fields(res.meta)}
     if e2e is not None:
         info["e2e_latency"] = e2e
-    if return_logprob:
-        ids = output_ids[-len(logprobs):] if logprobs else []
-        info["output_token_logprobs"] = [[float(e[0]), int(t), None] for e, t in zip(logprobs, ids)]
-        info["output_top_logprobs"] = [[[float(b), int(a), None] for a, b in (e[1] or [])] for e in logprobs]
-    return {"text": text, "output_ids": output_ids, "meta_info": info}
+    if shape.return_logprob:
+        info.update(sglang_logprobs(req.input_ids, res.input_logprobs, res.output_ids, res.logprobs,
+                                    req.top_logprobs_num, shape.decode))
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": info}
 
 
 def _meta_fields(meta: dict) -> dict:
@@ -119,17 +136,17 @@ def _meta_fields(meta: dict) -> dict:
 
 
 async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi: bool,
-                      return_logprob: bool) -> AsyncIterator[str]:
-    """Cumulative `text` and `output_ids` in every event (what SGLang's benchmark clients expect)."""
-    logprobs: list[list] = [[] for _ in reqs]
+                      shape: _Shape) -> AsyncIterator[str]:
+    """Cumulative `text`, `output_ids` (and log-probs) in every event (what SGLang's benchmark
+    clients expect)."""
+    results = [ChoiceResult() for _ in reqs]
     try:
         async for i, chunk in stream:
             if chunk.error is not None:
                 yield f"data: {json.dumps(stream_error(chunk))}\n\n"
                 break
-            logprobs[i].extend(chunk.logprobs or [])
-            out = _native_result(reqs[i].rid, chunk.text, chunk.output_ids, chunk.meta, chunk.finish_reason,
-                                 logprobs[i], return_logprob)
+            results[i].add(chunk)
+            out = _native_result(reqs[i], results[i], shape)
             if multi:
                 out["index"] = i
             yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"

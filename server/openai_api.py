@@ -10,27 +10,28 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-try:
-    from jinja2 import TemplateError
-except ImportError:  # transformers renders chat templates with jinja2; without it there are none
-    TemplateError = ValueError
-
-from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
+from hicache.server.openai_tools import StreamShaper, ToolPlan, final_message, plan_tools
+from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from hicache.server.serving import (
+    ChoiceResult,
+    SSE_HEADERS,
+    check_model,
     check_prompt,
     check_sampling,
     collect,
     first_then_rest,
     make_requests,
+    render_chat,
     resolve_max_tokens,
     stream_all,
+    stream_error,
+    tm_of,
     usage,
 )
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
 
 router = APIRouter()
-OPENAI_RENAMES = {"max_new_tokens": "max_tokens"}
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OPENAI_RENAMES = {"max_new_tokens": "max_tokens", "json_schema": "response_format.json_schema.schema"}
 
 
 @dataclass
@@ -45,6 +46,12 @@ class _Job:
     logprobs: bool
     echo: str | list[str] | None = None
     created: int = 0
+    tools: ToolPlan | None = None
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """echo + logprobs: the log-probs cover the prompt's tokens too (the first one's None)."""
+        return self.echo is not None and self.logprobs
 
     def envelope(self, choices: list, **extra) -> dict:
         obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
@@ -53,25 +60,13 @@ class _Job:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
-def tm_of(request: Request) -> TokenizerManager:
-    return request.app.state.tm
-
-
-def check_model(request: Request, model: str | None) -> str:
-    names = request.app.state.model_names
-    if model is not None and model not in names:
-        raise APIError(404, f"The model `{model}` does not exist. Available: {names[0]!r}.", param="model",
-                       code="model_not_found")
-    return names[0]
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     tm = tm_of(request)
-    name = request.app.state.model_names[0]
     return {"object": "list", "data": [{"id": name, "object": "model", "created": request.app.state.started,
                                         "owned_by": "hicache", "root": tm.info.model_name,
-                                        "max_model_len": tm.info.context_length}]}
+                                        "max_model_len": tm.info.context_length}
+                                       for name in request.app.state.served_names]}
 
 
 @router.post("/v1/chat/completions")
@@ -79,14 +74,11 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     tm = tm_of(request)
     model = check_model(request, body.model)
-    try:
-        ids = tm.apply_chat_template(body.template_messages())
-    except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
-        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
-    check_prompt(tm, ids, "messages")
+    tools = plan_tools(body, getattr(tm.tokenizer, "chat_template", None), request.app.state.config.tool_call_parser)
+    ids = render_chat(tm, tools.messages, "messages", tools.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,
-               created=int(time.time()))
+               created=int(time.time()), tools=tools)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     return await _run(request, tm, body, job, max_tokens, top)
 
@@ -98,6 +90,9 @@ async def completions(request: Request):
     model = check_model(request, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
+                       param="best_of", code="unsupported")
     prompts = _prompt_ids(tm, body.prompt)
     echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
     job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model, prompts, body.n, body.logprobs is not None,
@@ -124,21 +119,21 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
 
 
 async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_tokens: int | None, top: int):
-    sampling = body.sampling_dict()
+    sampling = body.sampling_dict() | (job.tools.constraint if job.tools else {})
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
     params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
-    reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt)
+    reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
+                         logprob_start_len=0 if job.prompt_logprobs else -1)
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:
             await rest.aclose()
             raise APIError(first[1].error_status, first[1].error)
-        events = _sse(tm, job, rest, body.include_usage)
+        events = _sse(tm, job, rest, body.include_usage, body.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     results = await collect(tm, reqs, request)
-    choices = [_final_choice(tm, job, i, r.text, r.finish_reason, r.logprobs, r.output_ids)
-               for i, r in enumerate(results)]
+    choices = [_final_choice(tm, job, i, r) for i, r in enumerate(results)]
     return job.envelope(choices, usage=usage([r.meta for r in results], [len(p) for p in job.prompts], job.n))
 
 
@@ -149,23 +144,35 @@ def finish_reason_str(reason: dict | None) -> str | None:
     return None if reason is None else reason.get("type", "stop")
 
 
-def _final_choice(tm, job: _Job, i: int, text: str, reason, logprobs: list, output_ids: list[int]) -> dict:
-    lp = _logprobs(tm, job, output_ids[-len(logprobs):] if logprobs else [], logprobs, 0) if job.logprobs else None
+def _final_choice(tm, job: _Job, i: int, r: ChoiceResult) -> dict:
+    text, reason = r.text, r.finish_reason
+    new_ids = r.output_ids[-len(r.logprobs):] if r.logprobs else []
+    lp = _logprobs(tm, job, *_scored(job, i, r.input_logprobs, new_ids, r.logprobs), 0) if job.logprobs else None
+    finish = finish_reason_str(reason)
     if job.kind == "chat":
-        choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+        message, finish = final_message(job.tools, text, finish)
+        choice = {"index": i, "message": message, "logprobs": lp}
     else:
         text = (job.echo[i // job.n] if job.echo else "") + text
         choice = {"index": i, "text": text, "logprobs": lp}
-    choice["finish_reason"] = finish_reason_str(reason)
+    choice["finish_reason"] = finish
     choice["matched_stop"] = (reason or {}).get("matched")
     return choice
 
 
+def _scored(job: _Job, i: int, prompt: list | None, new_ids: list[int], entries: list) -> tuple[list[int], list]:
+    """The tokens the logprobs object covers and their entries: with echo, the prompt's first."""
+    if not job.prompt_logprobs or prompt is None:
+        return new_ids, entries
+    return job.prompts[i // job.n] + new_ids, prompt + entries
+
+
 def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, text_offset: int) -> dict:
-    """OpenAI logprobs for `ids`; each entry is [logprob, [[token_id, logprob], ...]]."""
+    """OpenAI logprobs for `ids`; each entry is [logprob, [[token_id, logprob], ...]], or
+    [None, None] for the first prompt token (then its logprob and top_logprobs are null)."""
     toks = [tm.token_str(t) for t in ids]
-    tops = [[(tm.token_str(int(a)), float(b)) for a, b in (e[1] or [])] for e in entries]
-    lps = [float(e[0]) for e in entries]
+    tops = [None if e[0] is None else [(tm.token_str(int(a)), float(b)) for a, b in (e[1] or [])] for e in entries]
+    lps = [None if e[0] is None else float(e[0]) for e in entries]
     if job.kind == "chat":
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in top]}
@@ -174,12 +181,17 @@ def _logprobs(tm: TokenizerManager, job: _Job, ids: list[int], entries: list, te
     for t in toks:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": [None if top is None else dict(top) for top in tops],
+            "text_offset": offsets}
 
 
-async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_usage: bool,
+               continuous: bool) -> AsyncIterator[str]:
+    """Chunks, then the usage chunk (`include_usage`); with `continuous`, every chunk also
+    carries the usage so far."""
     n_choices = len(job.prompts) * job.n
     metas: list[dict] = [{} for _ in range(n_choices)]
+    shapers = [StreamShaper(job.tools) for _ in range(n_choices)]
     try:
         for i in range(n_choices):
             yield _event(job.envelope([_delta(job, i, "", None, None, first=True)], chunk=True))
@@ -188,9 +200,15 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
                 yield _event(stream_error(chunk))
                 break
             metas[i] = chunk.meta
-            if chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
-                lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs else None
-                yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True))
+            extra = {"usage": usage(metas, [len(p) for p in job.prompts], job.n)} if continuous else {}
+            if job.kind == "chat":
+                for event in _chat_events(tm, job, i, chunk, shapers[i], extra):
+                    yield event
+            elif chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
+                scored = _scored(job, i, chunk.input_logprobs, chunk.new_ids, chunk.logprobs or [])
+                lp = _logprobs(tm, job, *scored, 0) if job.logprobs else None
+                yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True,
+                                          **extra))
         else:
             if include_usage:
                 yield _event(job.envelope([], chunk=True, usage=usage(metas, [len(p) for p in job.prompts], job.n)))
@@ -199,10 +217,25 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
         await stream.aclose()
 
 
+def _chat_events(tm: TokenizerManager, job: _Job, i: int, chunk: Chunk, shaper: StreamShaper, extra: dict):
+    """A chat chunk's SSE events: its deltas (content or tool calls), the logprobs with the first
+    one, the finish reason with the last."""
+    finished = chunk.finish_reason is not None
+    deltas = shaper.deltas(chunk.text_delta, finished)
+    lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs and chunk.logprobs else None
+    if not deltas and (finished or lp is not None):
+        deltas = [{}]
+    for k, delta in enumerate(deltas):
+        choice = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
+        if finished and k == len(deltas) - 1:
+            choice["finish_reason"] = shaper.finish_reason(finish_reason_str(chunk.finish_reason))
+            choice["matched_stop"] = chunk.finish_reason.get("matched")
+        yield _event(job.envelope([choice], chunk=True, **extra))
+
+
 def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = False) -> dict:
     if job.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if first else {"content": text} if text else {}
-        choice = {"index": i, "delta": delta, "logprobs": lp}
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": lp}
     else:
         if first:
             text = job.echo[i // job.n] if job.echo else ""
@@ -211,13 +244,6 @@ def _delta(job: _Job, i: int, text: str, reason: dict | None, lp, first: bool = 
     if reason is not None:
         choice["matched_stop"] = reason.get("matched")
     return choice
-
-
-def stream_error(chunk: Chunk) -> dict:
-    """The error event that ends a stream whose request failed after the headers were sent."""
-    if chunk.error_status == 503:
-        return error_body(chunk.error, "service_unavailable", None, "service_unavailable")
-    return error_body(chunk.error, code="request_failed")
 
 
 def _event(obj: dict) -> str:

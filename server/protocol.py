@@ -5,9 +5,11 @@ UTF-8 and a nesting depth of at most `MAX_JSON_DEPTH`, both before parsing (400)
 NaN / Infinity); every string encodable as UTF-8 (no lone surrogates) and every integer within
 signed 64 bits, anywhere in the body (400 naming the field); then the pydantic model (strict
 integers and booleans, bounded counts). Sampling values are range-checked by the runtime's
-`SamplingParams.from_dict` (one rulebook for the Engine and the server). Unknown fields are
-ignored, as OpenAI-compatible servers usually do, so that clients sending newer fields keep
-working; `null` for a field that has a default means that default.
+`SamplingParams.from_dict` (one rulebook for the Engine and the server). Nothing is silently
+ignored: a field the server does not act on is a 400 naming it (`Strict` bodies), except
+OpenAI's informational fields (`user`, `metadata`, `service_tier`, `prompt_cache_key`,
+`safety_identifier`), which change no answer. `null` for a field that has a default means that
+default.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+from hicache.runtime.grammar import JSON_OBJECT_SCHEMA
 
 M = TypeVar("M", bound=BaseModel)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -35,15 +39,16 @@ class APIError(Exception):
                  type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.type)
+        self.type = type or error_type(status)
 
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "invalid_request_error")
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -188,6 +193,8 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"{param}: this field is not supported by this server", param
     if len({tuple(str(x) for x in e.get("loc", ())[:1]) for e in errors}) == 1 and len(errors) > 1:
         return f"{param or 'body'}: none of the accepted types matches ({first.get('msg')})", param
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -220,28 +227,40 @@ class Body(BaseModel):
         return {k: v for k, v in data.items() if v is not None or _null_allowed(cls, k)}
 
 
+class Strict(Body):
+    """A body whose unknown fields are a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 def _null_allowed(cls: type[BaseModel], name: str) -> bool:
+    """Whether `name: null` stays in the body: not for a field with a non-null default, nor for a
+    field that a `Strict` body does not know (null asks for nothing)."""
     f = cls.model_fields.get(name)
-    return f is None or f.is_required() or f.default is None
+    if f is None:
+        return cls.model_config.get("extra") != "forbid"
+    return f.is_required() or f.default is None
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------
 
 
-class StreamOptions(Body):
+class StreamOptions(Strict):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # with include_usage: the usage so far in every chunk
 
 
-class ContentPart(Body):
+class ContentPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Body):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
+    name: Optional[str] = None  # passed to the chat template, which may render it
+    tool_calls: Optional[list[Any]] = None  # assistant turns; checked by server/tools.py
+    tool_call_id: Optional[str] = None  # tool turns
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -249,7 +268,30 @@ class ChatMessage(Body):
         return self.content or ""
 
 
-class SamplingFields(Body):
+class JsonSchemaFormat(Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None  # outputs always follow the schema
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow (sampling's `json_schema`), None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema is required for type json_schema",
+                           param="response_format.json_schema.schema", code="invalid_value")
+        return json.dumps(self.json_schema.schema_)
+
+
+class SamplingFields(Strict):
     """Decoding options shared by both OpenAI endpoints (SGLang's extensions included)."""
 
     model: Optional[str] = None
@@ -270,18 +312,33 @@ class SamplingFields(Body):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None  # prefixes are cached whatever the key
+    safety_identifier: Optional[str] = None
+    store: Optional[Literal[False]] = None  # completions are never stored
     cache_salt: Optional[str] = None
     rid: Optional[Rid] = None
+    response_format: Optional[ResponseFormat] = None
+    logit_bias: Optional[dict[str, Any]] = None  # token id (a string of digits) -> bias in [-100, 100]
 
     def sampling_dict(self) -> dict[str, Any]:
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                "no_stop_trim", "seed")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+                "no_stop_trim", "seed", "logit_bias")
+        d = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        schema = self.response_format.schema_text() if self.response_format is not None else None
+        if schema is not None:
+            d["json_schema"] = schema
+        return d
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -290,9 +347,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[TokenCount] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[TopLogprobs] = None
-
-    def template_messages(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    tools: Optional[list[Any]] = None  # checked, with the two below, by server/tools.py
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: StrictBool = True
 
 
 PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
@@ -304,13 +361,14 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     logprobs: Optional[TopLogprobs] = None
     suffix: Optional[str] = None
+    best_of: Optional[StrictInt] = None  # only n: the best n of n samples are all of them
 
 
 # ---- native ---------------------------------------------------------------------------------
 
 
-class GenerateReqInput(Body):
-    """SGLang's /generate body (the fields hicache acts on; others are accepted and ignored)."""
+class GenerateReqInput(Strict):
+    """SGLang's /generate body: the fields hicache acts on (any other is a 400 naming it)."""
 
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[StrictInt], list[list[StrictInt]]]] = None
@@ -320,10 +378,11 @@ class GenerateReqInput(Body):
     return_logprob: StrictBool = False
     top_logprobs_num: TopLogprobs = 0
     logprob_start_len: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] = -1
+    return_text_in_logprobs: StrictBool = False
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
 
 
-class AbortReqInput(Body):
+class AbortReqInput(Strict):
     rid: Rid = ""
     abort_all: StrictBool = False

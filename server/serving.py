@@ -7,20 +7,41 @@ one stream of `(index, Chunk)`; leaving that stream early aborts every request s
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 
+try:
+    from jinja2 import TemplateError
+except ImportError:  # transformers renders chat templates with jinja2; without it there are none
+    TemplateError = ValueError
+
 from hicache.runtime.messages import GenerateRequest, expand_n
 from hicache.runtime.sampling import SamplingParams
-from hicache.server.protocol import APIError
+from hicache.server.protocol import APIError, error_body
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
 
 DISCONNECT_POLL_S = 0.25
 MAX_STOPS = 64  # stop strings, and separately stop token ids, of one request
 MAX_STOP_CHARS = 1024  # of one stop string
 MAX_CHOICES = 4096  # requests one HTTP request fans out to: prompts x n
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def tm_of(request: Request) -> TokenizerManager:
+    return request.app.state.tm
+
+
+def check_model(request: Request, model: str | None) -> str:
+    """The name to report for a request naming `model` (None: the served model); 404 for a name
+    that is neither a served name nor the model path."""
+    names = request.app.state.model_names
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(map(repr, names))}.",
+                       param="model", code="model_not_found")
+    return names[0]
 
 
 @dataclass
@@ -32,11 +53,16 @@ class ChoiceResult:
     meta: dict = field(default_factory=dict)
     finish_reason: dict | None = None
     logprobs: list = field(default_factory=list)
+    first_token_at: float | None = None  # time.perf_counter() when the first token arrived
+    input_logprobs: list | None = None  # the prompt's, from logprob_start_len on
 
     def add(self, chunk: Chunk) -> None:
+        if self.first_token_at is None and chunk.new_ids:
+            self.first_token_at = time.perf_counter()
         self.text, self.output_ids, self.meta = chunk.text, chunk.output_ids, chunk.meta
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.logprobs.extend(chunk.logprobs or [])
+        self.input_logprobs = chunk.input_logprobs or self.input_logprobs
 
 
 def check_sampling(sampling: dict, vocab_size: int, renames: dict[str, str] | None = None) -> SamplingParams:
@@ -83,6 +109,16 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
                        code="invalid_value")
 
 
+def render_chat(tm: TokenizerManager, messages: list[dict], param: str, tools: list[dict] | None = None) -> list[int]:
+    """The checked token ids of `messages` (and `tools`) in the chat template, with the assistant prompt."""
+    try:
+        ids = tm.apply_chat_template(messages, tools)
+    except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+    check_prompt(tm, ids, param)
+    return ids
+
+
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, requested: int | None, param: str) -> int:
     """The request's max new tokens; None means 'as many as fit'. Over the limit is a 400."""
     limit = tm.token_limit
@@ -103,7 +139,8 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
 
 
 def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
-                  top_logprobs: int = 0, cache_salt: str | None = None) -> list[GenerateRequest]:
+                  top_logprobs: int = 0, cache_salt: str | None = None,
+                  logprob_start_len: int = -1) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
     `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
     if len(prompts) * params.n > MAX_CHOICES:
@@ -113,7 +150,8 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
     for p, ids in enumerate(prompts):
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
         base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=params, return_logprob=return_logprob,
-                               top_logprobs_num=top_logprobs, cache_salt=cache_salt or "")
+                               top_logprobs_num=top_logprobs, cache_salt=cache_salt or "",
+                               logprob_start_len=logprob_start_len)
         reqs.extend(expand_n(base))
     return reqs
 
@@ -197,6 +235,13 @@ async def _gather(tm: TokenizerManager, reqs: list[GenerateRequest], results: li
 async def _wait_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def stream_error(chunk: Chunk) -> dict:
+    """The error event that ends a stream whose request failed after the headers were sent."""
+    if chunk.error_status == 503:
+        return error_body(chunk.error, "service_unavailable", None, "service_unavailable")
+    return error_body(chunk.error, code="request_failed")
 
 
 def raise_for_error(chunk: Chunk) -> None:

@@ -43,7 +43,7 @@ from hicache.server.ipc import (
     pack,
     unpack,
 )
-from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer
+from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import APIError
 
@@ -66,6 +66,7 @@ class Chunk:
     finish_reason: dict | None = None
     logprobs: list | None = None  # per new id: [logprob, [[id, logprob], ...]]
     error: str | None = None
+    input_logprobs: list | None = None  # the prompt's (TokenOutput.input_logprobs), in one chunk
     error_status: int = 400  # 400: rejected by the scheduler; 503: scheduler died
 
 
@@ -223,13 +224,17 @@ class TokenizerManager:
 
     # ---- tokenization -----------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Raises ValueError when the model has no tokenizer (send input_ids instead)."""
-        return [int(t) for t in self._tok().encode(text, add_special_tokens=False)]
+        return [int(t) for t in self._tok().encode(text, add_special_tokens=add_special_tokens)]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation plus the assistant prompt; ValueError if impossible."""
-        return apply_chat_template(self._tok(), messages)
+        return apply_chat_template(self._tok(), messages, tools)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The rendered conversation as text; ValueError if impossible."""
+        return render_chat_template(self._tok(), messages, add_generation_prompt)
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
@@ -482,7 +487,7 @@ class _RequestStream:
     def merge(self, outs: list[TokenOutput]) -> Chunk:
         new_ids: list[int] = []
         logprobs: list | None = None
-        finish, error = None, None
+        finish, error, prompt = None, None, None
         for o in outs:
             new_ids.extend(o.new_token_ids)
             if o.logprobs:
@@ -490,6 +495,7 @@ class _RequestStream:
             self.meta.update(o.meta or {})
             finish = o.finish_reason or finish
             error = o.error or error
+            prompt = o.input_logprobs or prompt
         self.output_ids.extend(new_ids)
         delta = self.stops.push(self.detok.add(new_ids)) if new_ids else ""
         if finish is not None:
@@ -499,7 +505,7 @@ class _RequestStream:
             error, status = error[len(_DEAD):] or "scheduler process died", 503
         return Chunk(text_delta=delta, text=self.stops.final_text, new_ids=new_ids,
                      output_ids=list(self.output_ids), meta=dict(self.meta), finish_reason=finish,
-                     logprobs=logprobs, error=error, error_status=status)
+                     logprobs=logprobs, error=error, error_status=status, input_logprobs=prompt)
 
     def _finish(self, finish: dict) -> str:
         tail = self.stops.push(self.detok.flush())

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = {  # folder -> import-name prefix
     "hicache": "hicache", "runtime": "hicache.runtime", "tiers": "hicache.tiers",
-    "kernels": "hicache.kernels", "server": "hicache.server",
+    "kernels": "hicache.kernels", "server": "hicache.server", "lang": "hicache.lang",
 }
 ALLOWED = {  # room -> rooms of ours it may import (besides itself)
     "hicache": {"hicache.tiers.base"},
@@ -18,6 +18,7 @@ ALLOWED = {  # room -> rooms of ours it may import (besides itself)
     "hicache.kernels": set(),
     "hicache.runtime": {"hicache", "hicache.tiers", "hicache.kernels"},
     "hicache.server": {"hicache.runtime", "hicache"},
+    "hicache.lang": {"hicache.runtime.engine"},  # the Engine; the server only over HTTP
 }
 LAZY_REEXPORTS = {"hicache.runtime.engine"}  # hicache/__init__.py's lazy `Engine`
 
@@ -80,6 +81,8 @@ def test_checker_catches_a_bad_import():
     assert not allowed("hicache.tiers.remote", "hicache.kernels.attention")
     assert allowed("hicache.runtime", "hicache.tree")
     assert allowed("hicache.tiers.gpu", "hicache.kernels.attention")
+    assert not allowed("hicache.lang", "hicache.runtime.scheduler")
+    assert not allowed("hicache.lang", "hicache.server.tokenizer_manager")
 
 
 SCHEDULING = ("runtime/scheduler.py", "runtime/overlap.py", "runtime/policy.py")

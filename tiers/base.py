@@ -232,7 +232,10 @@ class StorageEngine(Protocol):
     order, stopping at the first miss; `progress(ticket)` is the number of leading pages already
     landed (they will not be touched again). `backup(keys, host_slots)`: stores those host pages
     under `keys`, skipping keys L3 has. `cancel(ticket)` stops an operation after its current batch.
-    The caller keeps the host pages of an operation allocated until its result has been polled.
+    `revoke(ticket)` withdraws an operation that has not started: True when it never will touch its
+    host pages (the caller may free them now; its result, not ok, still comes through `poll()`),
+    False once it has started. Otherwise the caller keeps the host pages of an operation allocated
+    until its result has been polled.
     `wait(timeout)` blocks until some result is ready (or the timeout).
     """
 
@@ -245,6 +248,8 @@ class StorageEngine(Protocol):
     def progress(self, ticket: int) -> int: ...
 
     def cancel(self, ticket: int) -> None: ...
+
+    def revoke(self, ticket: int) -> bool: ...
 
     def poll(self) -> list[StorageResult]: ...
 

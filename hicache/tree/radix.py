@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from hicache.eviction import get_strategy
+from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, get_strategy
 from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
@@ -17,7 +17,7 @@ class RadixTree(Residency):
     """Page-granular prefix cache over L1 (and, given `host_allocator`, L2) slots. See the package
     docstring for the contracts."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, eviction_policy: str = "lru",
+    def __init__(self, allocator: PageAllocator, page_size: int, eviction_policy: str = DEFAULT_EVICTION,
                  disabled: bool = False, host_allocator: PageAllocator | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -29,6 +29,7 @@ class RadixTree(Residency):
         self.page_size = page_size
         self.disabled = disabled
         self._priority = get_strategy(eviction_policy)
+        self._aging = eviction_policy in AGING
         self._clock = itertools.count(1)
         self._init_state()
 
@@ -39,6 +40,7 @@ class RadixTree(Residency):
         self._evictable = 0  # device tokens in nodes with lock_ref == 0
         self._locked = 0  # device tokens in nodes with lock_ref > 0
         self._host = 0  # tokens with host slots
+        self._deleted = 0  # tokens deleted from the tree since hit counts were last halved (aging)
         self.root = self.root_of("")
 
     def root_of(self, namespace: str) -> TreeNode:

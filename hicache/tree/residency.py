@@ -107,6 +107,7 @@ class Residency:
                 self._drop_device(node)
             elif self._subtree_unpinned(node):
                 self._remove_subtree(node)
+                self._age(len(node.key))
             else:
                 continue
             freed += len(node.key)
@@ -128,10 +129,23 @@ class Residency:
             if not candidate(node):
                 continue
             freed += len(node.key)
+            self._age(len(node.key))
             parent = self._remove(node)
             if not parent.is_root and candidate(parent):
                 heapq.heappush(heap, (self._priority(parent), parent.id, parent))
         return freed
+
+    def _age(self, deleted: int) -> None:
+        """Under an aging strategy: halves every hit count once the tree has deleted as many
+        tokens as its largest tier holds."""
+        if not self._aging:
+            return
+        self._deleted += deleted
+        tiers = [a.capacity_tokens() for a in (self.allocator, self.host_allocator) if a is not None]
+        if self._deleted >= max(tiers):
+            self._deleted = 0
+            for n in self.nodes():
+                n.hit_count >>= 1
 
     def evict_subtree(self, node: TreeNode) -> bool:
         """Drops the L1 copies of `node` and of everything below it: nodes L2 holds stay

@@ -1,14 +1,13 @@
-"""Model registry: HF architecture name -> our implementation."""
+"""Model registry: HF architecture name -> our implementation (one decoder, parameterised by the
+config's family options: see `hicache.runtime.model_config.FAMILIES`)."""
 from __future__ import annotations
 
+from hicache.runtime.model_config import SUPPORTED_ARCHITECTURES
 from hicache.runtime.models.gemma3 import Gemma3ForCausalLM
 from hicache.runtime.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+MODEL_REGISTRY["Gemma3ForCausalLM"] = Gemma3ForCausalLM  # its own blocks around the shared attention
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:

@@ -20,8 +20,7 @@ from torch import nn
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RotaryEmbedding, _param, linear
 
-_EXTRA_LAYER_NAMES = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "pre_feedforward_layernorm.weight",
-                      "post_feedforward_layernorm.weight")
+_EXTRA_LAYER_NAMES = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -53,6 +52,8 @@ class RotaryPair(nn.Module):
 
 
 class Gemma3Attention(LlamaAttention):
+    """The shared attention (its config has `qk_norm`) with Gemma's (1 + weight) q/k norms."""
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__(config, layer_id, dtype, device)
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
@@ -123,9 +124,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         extra = {f"model.layers.{i}.{s}" for i in range(self.config.num_layers) for s in _EXTRA_LAYER_NAMES}
         return super().expected_weight_names() | extra
 
-    def _target(self, name: str) -> tuple[torch.Tensor, int | None, int | None] | None:
+    def _target(self, name: str) -> torch.Tensor | None:
         m = self._LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= self.config.num_layers or m.group(2) not in _EXTRA_LAYER_NAMES:
             return super()._target(name)
-        owner, attr = m.group(2).rsplit(".", 1)
-        return getattr(self.layers[int(m.group(1))].get_submodule(owner), attr), None, None
+        return self.layers[int(m.group(1))].get_submodule(m.group(2).rsplit(".", 1)[0]).weight

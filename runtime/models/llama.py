@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral without sliding window, SmolLM2).
+"""Llama-family decoder: Llama 2/3/3.1, Mistral (sliding window in the attention backend), SmolLM2, Qwen2/2.5, Qwen3,
+and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral.
 
 Our own implementation: RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), GQA attention
-through a pluggable backend, SwiGLU MLP, optional tied embeddings. Weights are fused on load
-(q/k/v into `qkv_proj`, gate/up into `gate_up_proj`); `load_weights` takes HF-named tensors.
+through a pluggable backend, SwiGLU MLP or a sparse MLP (`models/moe.py`), optional tied
+embeddings. The families differ by config options only (`ModelConfig.qkv_bias`, `qk_norm`,
+`moe`): a Llama layer runs exactly the Llama code. Weights are fused on load (q/k/v into
+`qkv_proj`, gate/up into `gate_up_proj`); `load_weights` takes HF-named tensors.
 
 Contract with the attention backend (runtime/attention/): each layer calls
 `batch.attn.forward(q, k, v, layer_id, batch)` with q [T, num_heads, head_dim] and k, v
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models.moe import SparseMoeBlock, covered_names, hf_name
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -131,14 +135,19 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(t, self.inv_freq)
             self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dev)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype).
+        qk_norm: per-head RMSNorms applied to q and k first (one launch with the rotation on CUDA)."""
         if self.cos_sin is None or self.cos_sin.device != positions.device:
             self.ensure(self.max_positions, positions.device)
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
             self.ensure(2 * int(positions.max()) + 1, positions.device)
         if positions.is_cuda and _cuda_kernels() is not None:  # one launch for q and k
-            return _cuda_kernels().rope(positions, q, k, self.cos_sin)
+            norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+            return _cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[0].weight, qk_norm[0].eps), rms_norm(k, qk_norm[1].weight, qk_norm[1].eps)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -156,21 +165,29 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype, device=device)
         self.o_proj = _param(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if config.qkv_bias else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(positions, q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
+        qkv = linear(x, self.qkv_proj)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
         return linear(out.reshape(T, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype, device=device)
-        self.down_proj = _param(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.intermediate_size = inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = _param(2 * inter, config.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _param(config.hidden_size, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
@@ -179,6 +196,24 @@ class LlamaMLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
+    def weight_names(self) -> list[str]:
+        return ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+
+    def target(self, rest: str) -> torch.Tensor | None:
+        """The parameter (or the slice of one) that the tensor `mlp.<rest>` fills."""
+        i = self.intermediate_size
+        return {"gate_proj.weight": self.gate_up_proj[:i], "up_proj.weight": self.gate_up_proj[i:],
+                "down_proj.weight": self.down_proj}.get(rest)
+
+
+def make_mlp(config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """A dense SwiGLU MLP, or the sparse MLP on the layers the MoE config names."""
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer_id):
+        return LlamaMLP(config, dtype, device)
+    shared = LlamaMLP(config, dtype, device, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoeBlock(config, dtype, device, shared)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
@@ -186,7 +221,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, layer_id, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = make_mlp(config, layer_id, dtype, device)
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,16 +271,16 @@ class LlamaForCausalLM(nn.Module):
         parameters, converting dtype and device. Returns the HF names it consumed; unknown names
         (rotary inv_freq buffers, ...) are skipped. Call `check_loaded` afterwards."""
         loaded = set()
+        experts = self.config.moe.num_experts if self.config.moe is not None else 0
         for name, tensor in weights:
-            target = self._target(name)
-            if target is None:
+            name = hf_name(name)
+            dst = self._target(name)
+            if dst is None:
                 continue
-            param, start, size = target
-            dst = param if start is None else param.narrow(0, start, size)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(name)
+            loaded.update(covered_names(name, experts))
         return loaded
 
     def expected_weight_names(self) -> set[str]:
@@ -253,12 +288,13 @@ class LlamaForCausalLM(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
-        for i in range(self.config.num_layers):
+        attn = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+        attn += ["q_proj.bias", "k_proj.bias", "v_proj.bias"] if self.config.qkv_bias else []
+        attn += ["q_norm.weight", "k_norm.weight"] if self.config.qk_norm else []
+        for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            names |= {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+            names |= {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+            names |= {p + "self_attn." + s for s in attn} | {p + "mlp." + s for s in layer.mlp.weight_names()}
         return names
 
     def check_loaded(self, loaded: set[str]) -> None:
@@ -266,29 +302,31 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
-    def _target(self, name: str) -> tuple[torch.Tensor, int | None, int | None] | None:
-        """(parameter, row offset or None, row count or None) for an HF tensor name."""
+    def _target(self, name: str) -> torch.Tensor | None:
+        """The parameter, or the rows of a fused one, that an HF tensor name fills."""
         c = self.config
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens, None, None
+            return self.embed_tokens
         if name == "lm_head.weight":
-            return (None if c.tie_word_embeddings else (self.lm_head, None, None))
+            return None if c.tie_word_embeddings else self.lm_head
         if name == "model.norm.weight":
-            return self.norm.weight, None, None
+            return self.norm.weight
         m = self._LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= c.num_layers:
             return None
         layer, rest = self.layers[int(m.group(1))], m.group(2)
-        qkv = layer.self_attn.qkv_proj
+        if rest.startswith("mlp."):
+            return layer.mlp.target(rest[len("mlp."):])
+        attn = layer.self_attn
         table = {
-            "input_layernorm.weight": (layer.input_layernorm.weight, None, None),
-            "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None, None),
-            "self_attn.q_proj.weight": (qkv, 0, c.q_size),
-            "self_attn.k_proj.weight": (qkv, c.q_size, c.kv_size),
-            "self_attn.v_proj.weight": (qkv, c.q_size + c.kv_size, c.kv_size),
-            "self_attn.o_proj.weight": (layer.self_attn.o_proj, None, None),
-            "mlp.gate_proj.weight": (layer.mlp.gate_up_proj, 0, c.intermediate_size),
-            "mlp.up_proj.weight": (layer.mlp.gate_up_proj, c.intermediate_size, c.intermediate_size),
-            "mlp.down_proj.weight": (layer.mlp.down_proj, None, None),
+            "input_layernorm.weight": layer.input_layernorm.weight,
+            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            "self_attn.o_proj.weight": attn.o_proj,
         }
+        for suffix, fused in (("weight", attn.qkv_proj), ("bias", attn.qkv_bias)):
+            if fused is not None:
+                table |= {f"self_attn.{p}_proj.{suffix}": part
+                          for p, part in zip("qkv", fused.split([c.q_size, c.kv_size, c.kv_size]))}
+        if attn.q_norm is not None:
+            table |= {"self_attn.q_norm.weight": attn.q_norm.weight, "self_attn.k_norm.weight": attn.k_norm.weight}
         return table.get(rest)

@@ -3,9 +3,13 @@
 `GGUFFile` parses the header itself: `gguf.GGUFReader` builds a numpy view for every element of
 the tokenizer's string arrays, which takes seconds on a vocabulary of ~100k strings; we only need
 the scalars and tensor offsets, which parse in a small fraction of that. Tensors are memory-mapped and dequantised with
-`gguf.quants.dequantize`; constants come from the `gguf` package. llama.cpp's converter permutes the rows of q and k
-weights for its interleaved RoPE; `_unpermute` undoes it exactly as transformers' GGUF loader
-does (`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF.
+`gguf.quants.dequantize`; constants come from the `gguf` package. For `llama` and `mistral`
+files llama.cpp's converter permutes the rows of q and k weights for its interleaved RoPE;
+`_unpermute` undoes it exactly as transformers' GGUF loader does
+(`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF. Qwen files
+keep HF's row order. A `llama` file with experts is Mixtral. Experts come as one stacked tensor
+per layer and projection (`ffn_gate_exps`, ...), which the model loads whole, or in older
+Mixtral files as one tensor per expert (`ffn_gate.3.weight`).
 """
 from __future__ import annotations
 
@@ -22,8 +26,11 @@ import torch
 
 from hicache.runtime.model_config import ModelConfig
 
-SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "gemma3")
-_PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp permutes their q and k rows (see `_unpermute`)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
+SUPPORTED_GGUF_ARCHS = tuple(_ARCHITECTURES)
+_PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter (see `_unpermute`)
 # Gemma's converter stores norm weights plus one (llama.cpp's RMSNorm scales by the weight alone)
 _NORM_OFFSETS = {"gemma3": 1.0}
 
@@ -42,16 +49,28 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 _ARCH_LAYER_NAMES = {"gemma3": {
     **_LAYER_NAMES,
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _PREFETCH = 8  # tensors dequantised ahead of the consumer
 
 
@@ -63,6 +82,7 @@ class GGUFCheckpoint:
         self.reader = GGUFFile(self.path)
         self.config = gguf_config(self.reader, name=self.path.stem)
         self.arch = _field(self.reader, "general.architecture")
+        self.permuted = self.arch in _PERMUTED_ARCHS
 
     @property
     def num_tensors(self) -> int:
@@ -89,12 +109,14 @@ class GGUFCheckpoint:
         if not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr)  # a read-only view into the memory map
         w = torch.from_numpy(arr)
-        if self.arch in _PERMUTED_ARCHS and name.endswith("q_proj.weight"):
+        if self.permuted and name.endswith("q_proj.weight"):
             w = _unpermute(w, self.config.num_heads)
-        elif self.arch in _PERMUTED_ARCHS and name.endswith("k_proj.weight"):
+        elif self.permuted and name.endswith("k_proj.weight"):
             w = _unpermute(w, self.config.num_kv_heads)
         elif self.arch in _NORM_OFFSETS and name.endswith("norm.weight"):
             w = w - _NORM_OFFSETS[self.arch]
+        elif name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # stored as a vector
         return name, w
 
 
@@ -106,6 +128,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     m = _BLK_RE.match(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:  # older Mixtral files: one tensor per expert
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
     return None
 
 
@@ -132,14 +157,15 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     d = {
-        "architectures": [_GGUF_ARCHITECTURES.get(arch, "LlamaForCausalLM")],
+        "architectures": [_ARCHITECTURES[arch] if not (arch == "llama" and get("expert_count")) else
+                          "MixtralForCausalLM"],
         "vocab_size": vocab,
         "hidden_size": get("embedding_length"),
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
-        "head_dim": get("rope.dimension_count"),
+        "head_dim": get("attention.key_length") or get("rope.dimension_count"),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": get("rope.freq_base", 10000.0),
         "rope_scaling": _rope_scaling(reader, arch),
@@ -147,6 +173,7 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+        **_moe_keys(arch, get, tensor_names),
     }
     if arch == "gemma3":  # head size is key_length; the layer pattern and local RoPE base are HF's defaults
         d.update(head_dim=get("attention.key_length"), sliding_window=get("attention.sliding_window"),
@@ -154,7 +181,20 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
     return ModelConfig.from_hf_config(d, name=name)
 
 
-_GGUF_ARCHITECTURES = {"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+def _moe_keys(arch: str, get, tensor_names: set[str]) -> dict:
+    """The HF config keys of a mixture of experts (none for a dense file): layers without a router
+    are dense. llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's."""
+    if not get("expert_count"):
+        return {}
+    keys = {"num_experts": get("expert_count"), "num_local_experts": get("expert_count"),
+            "num_experts_per_tok": get("expert_used_count"),
+            "mlp_only_layers": [i for i in range(get("block_count"))
+                                if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+    if arch == "llama":  # Mixtral: feed_forward_length is the expert's
+        return keys
+    return {**keys, "moe_intermediate_size": get("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(get("expert_weights_norm", arch == "qwen3moe"))}
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:

@@ -137,3 +137,103 @@ class FakeTransfer:
 
     def in_flight(self) -> int:
         return len(self._queue)
+
+
+class FakeTable:
+    """A RequestTable: `rows` rows, each a dict position -> slot."""
+
+    def __init__(self, rows: int):
+        self.rows = {r: {} for r in range(rows)}
+        self.free_rows = list(range(rows))
+
+    def alloc(self):
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row):
+        self.rows[row].clear()
+        self.free_rows.append(row)
+
+    def num_free(self):
+        return len(self.free_rows)
+
+    def write(self, row, start, slots):
+        self.rows[row].update({start + i: s for i, s in enumerate(slots.tolist())})
+
+
+class FakeStorage:
+    """A StorageEngine that holds every operation until `complete()`: queries find `hits` leading
+    pages, fetches land all their pages of `page_bytes` each, reporting `seconds_per_page` each,
+    backups store them. `start(ticket)` marks one as running (revoke() then refuses it)."""
+
+    def __init__(self, hits: int = 0, page_bytes: int = 0, seconds_per_page: float = 0.0):
+        self.hits, self.page_bytes, self.seconds_per_page = hits, page_bytes, seconds_per_page
+        self._next = 1
+        self.queued: dict[int, tuple[str, list[str]]] = {}
+        self.started: set[int] = set()
+        self.revoked: list[int] = []
+        self._done: list = []
+
+    def _submit(self, kind: str, keys: list[str]) -> int:
+        ticket, self._next = self._next, self._next + 1
+        self.queued[ticket] = (kind, keys)
+        return ticket
+
+    def query(self, keys):
+        return self._submit("query", keys)
+
+    def fetch(self, keys, host_slots):
+        return self._submit("fetch", keys)
+
+    def backup(self, keys, host_slots):
+        return self._submit("backup", keys)
+
+    def start(self, ticket: int) -> None:
+        self.started.add(ticket)
+
+    def revoke(self, ticket: int) -> bool:
+        if ticket not in self.queued or ticket in self.started:
+            return False
+        kind, _ = self.queued.pop(ticket)
+        self.revoked.append(ticket)
+        self._done.append(self._result(ticket, kind, False, "cancelled"))
+        return True
+
+    def complete(self) -> None:
+        for ticket, (kind, keys) in list(self.queued.items()):
+            del self.queued[ticket]
+            pages = min(self.hits, len(keys)) if kind == "query" else len(keys)
+            moved = pages if kind == "fetch" else 0
+            self._done.append(self._result(ticket, kind, True, None, pages, moved * self.page_bytes,
+                                           moved * self.seconds_per_page))
+
+    @staticmethod
+    def _result(ticket, kind, ok, error, pages=0, nbytes=0, seconds=0.0):
+        from hicache.tiers.base import StorageResult
+
+        return StorageResult(ticket, kind, ok, pages, nbytes=nbytes, seconds=seconds, error=error)
+
+    def progress(self, ticket):
+        return 0
+
+    def cancel(self, ticket):
+        pass
+
+    def poll(self):
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout):
+        pass
+
+    def quiesce(self, timeout):
+        self.complete()
+        return True
+
+    def status(self):
+        return "ok"
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass

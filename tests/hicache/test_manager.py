@@ -13,27 +13,6 @@ from hicache.tree import RadixTree
 import cache_fakes as fakes
 
 
-class FakeTable:
-    """A RequestTable: `rows` rows, each a dict position -> slot."""
-
-    def __init__(self, rows: int):
-        self.rows = {r: {} for r in range(rows)}
-        self.free_rows = list(range(rows))
-
-    def alloc(self):
-        return self.free_rows.pop() if self.free_rows else None
-
-    def free(self, row):
-        self.rows[row].clear()
-        self.free_rows.append(row)
-
-    def num_free(self):
-        return len(self.free_rows)
-
-    def write(self, row, start, slots):
-        self.rows[row].update({start + i: s for i, s in enumerate(slots.tolist())})
-
-
 class Setup:
     def __init__(self, ps=2, device_pages=16, host_pages=64, rows=4, deferred=False):
         self.ps, self.rows = ps, rows
@@ -42,7 +21,7 @@ class Setup:
         self.dev, self.host = {}, {}
         self.xfer = fakes.FakeTransfer(self.dev, self.host, deferred)
         tree = RadixTree(self.alloc, ps, "lru", host_allocator=self.host_pool.allocator)
-        self.table = FakeTable(rows)
+        self.table = fakes.FakeTable(rows)
         self.cache = CacheManager(CacheController(tree, self.host_pool, self.xfer, load_back_min_tokens=1), self.table)
         self.leases: list[Lease] = []
 

@@ -201,7 +201,7 @@ def test_lfu_evicts_least_frequently_used_then_oldest():
 
 
 def test_unknown_policy_lists_choices():
-    with pytest.raises(ValueError, match=r"\['lfu', 'lru'\]"):
+    with pytest.raises(ValueError, match=r"\['lfu', 'lfu_aging', 'lru'\]"):
         get_strategy("fifo")
     with pytest.raises(ValueError):
         make(policy="mru")

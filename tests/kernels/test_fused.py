@@ -66,6 +66,10 @@ def test_rope_on_strided_qk(dtype, hq, hk, d):
     assert rel_err(q_out, _rotate(q, cos, sin)) < TOL[dtype]
     assert rel_err(k_out, _rotate(k, cos, sin)) < TOL[dtype]
     assert q_out.is_contiguous() and q_out.dtype == dtype
+    qw, kw = (torch.randn(d, generator=gen, device=DEV).to(dtype) for _ in range(2))  # Qwen3's q/k norm first
+    q_out, k_out = rope(pos, q, k, cos_sin, qw, kw, 1e-6)
+    assert rel_err(q_out, _rotate(rms_norm(q, qw, 1e-6), cos, sin)) < TOL[dtype]
+    assert rel_err(k_out, _rotate(rms_norm(k, kw, 1e-6), cos, sin)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [HALF, torch.float32])

@@ -70,11 +70,12 @@ def test_stop_token_ids_and_max_new_tokens_zero(engine):
 def test_logprobs_with_top_alternatives(engine):
     out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 3},
                           return_logprob=True, top_logprobs_num=3)
-    lps = out["meta_info"]["output_token_logprobs"]
-    assert len(lps) == 3
-    for token, (lp, top) in zip(out["output_ids"], lps):
-        assert top[0][0] == token and abs(top[0][1] - lp) < 1e-5  # greedy picks the top token
-        assert lp <= 0 and top[0][1] >= top[1][1] >= top[2][1]
+    lps, tops = out["meta_info"]["output_token_logprobs"], out["meta_info"]["output_top_logprobs"]
+    assert len(lps) == len(tops) == 3 and out["meta_info"]["input_token_logprobs"] == []
+    for token, (lp, tid, text), top in zip(out["output_ids"], lps, tops):  # SGLang's [logprob, id, text]
+        assert tid == token and text is None
+        assert top[0][1] == token and abs(top[0][0] - lp) < 1e-5  # greedy picks the top token
+        assert lp <= 0 and top[0][0] >= top[1][0] >= top[2][0]
 
 
 def test_async_stream_and_abort_frees_everything(engine):
@@ -107,3 +108,20 @@ def test_chat_names_paris(engine):
     out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                       {"temperature": 0, "max_new_tokens": 32})
     assert "Paris" in out["text"]
+
+
+def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from hicache.runtime import build
+    from hicache.runtime.config import RuntimeConfig
+    from hicache.tiers.gpu.pool import DeviceKVPool
+
+    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    per_token = DeviceKVPool.token_bytes(30, 3, 64, torch.float32)
+    monkeypatch.setattr(build, "available_ram", lambda: 4 << 30)  # MemAvailable, page cache included
+    tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64)
+    assert tokens == int(min((4 << 30) * 0.85 * 0.25, build.CPU_KV_CAP_BYTES) // per_token) // 64 * 64
+    assert build.served_context(8192, 1856) == 1856 and build.served_context(2048, 8192) == 2048

@@ -36,7 +36,8 @@ def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, 
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
                        enable_overlap_schedule=overlap)
-    return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **cache))
+    # the tiny model recomputes faster than L2 loads: tests of the tiers' mechanics load every hit
+    return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **{"hicache_load_decision": "always", **cache}))
 
 
 def drain(sched: Scheduler, limit: int = 5000) -> dict[str, list]:
@@ -398,7 +399,10 @@ def assert_hf_answers(run: Run, convs: range) -> None:
 
 
 def l2_engine(path, **options) -> Engine:
-    return make_engine(path, max_total_tokens=L1_TOKENS, hicache_ratio=10.0, **options)
+    """L1 holds two conversations and L2 all of them. Under LRU, L1 keeps the latest turns, so the
+    share L2 serves is the tested quantity (frequency ranks keep shared prefixes on L1 instead)."""
+    return make_engine(path, max_total_tokens=L1_TOKENS, hicache_ratio=10.0,
+                       **{"radix_eviction_policy": "lru", **options})
 
 
 @pytest.mark.model

@@ -1,11 +1,11 @@
 """L3 values bound to their keys, end to end: a real LMDB file tampered with by a writer that goes
 around hicache, and schedulers on a tiny random 2-layer model restarted on it.
 
-- Chaos: the raw values of many key pairs swapped inside the LMDB file (every frame and CRC-32
+- Chaos: the raw values of many key pairs swapped inside the LMDB file (every frame and checksum
   valid). A restarted scheduler replays the prompts with the outputs of a fault-free run, counts
   every swapped page corrupt, serves none (each prompt's storage hit ends at its first swapped
   page), and its backups store them again: the next restart is served in full.
-- With a storage secret: values forged by a writer without it (right key, valid CRC, no MAC or a
+- With a storage secret: values forged by a writer without it (right key, valid checksum, no MAC or a
   MAC under another secret) and a value moved from another key are counted corrupt and never
   served, where a server without the secret would accept the forgeries.
 - The secret itself: flag or config field; refused in the extra config;
@@ -44,6 +44,7 @@ def l3_scheduler(config_path, backend="lmdb", total=256, secret=None, radix=True
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96)
     cc = HiCacheConfig(page_size=PAGE, disable_radix_cache=not radix, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_secret=secret,
+                       hicache_load_decision="always",
                        hicache_storage_backend_extra_config={"prefetch_threshold": 16, **extra})
     return build_scheduler(rc, cc)
 

@@ -172,12 +172,13 @@ def test_fingerprint_stable_and_distinct(llama31_config_path):
     assert len(a.fingerprint) == 16 and hash(a) == hash(ModelConfig.from_hf_config(d, name="x"))
     assert a.fingerprint != ModelConfig.from_hf_config(d, name="y").fingerprint
     assert a.fingerprint != ModelConfig.from_hf_config({**d, "num_key_value_heads": 4}, name="x").fingerprint
+    assert a.fingerprint != ModelConfig(**{**a.__dict__, "qk_norm": True}).fingerprint  # a family option
     # token ids do not change KV: same fingerprint
     assert a.fingerprint == ModelConfig.from_hf_config({**d, "eos_token_id": [1, 2]}, name="x").fingerprint
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"architectures": ["Qwen2ForCausalLM"]}, "unsupported architecture"),
+    ({"architectures": ["FalconForCausalLM"]}, "unsupported architecture.*Qwen3MoeForCausalLM"),
     ({"attention_bias": True}, "bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type"),
@@ -189,4 +190,4 @@ def test_model_config_rejects_unsupported(llama31_config_path, change, match):
         ModelConfig.from_hf_config({**d, **change})
     if "architectures" in change:
         with pytest.raises(ValueError):
-            get_model_class("Qwen2ForCausalLM")
+            get_model_class("FalconForCausalLM")

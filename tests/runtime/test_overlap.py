@@ -45,7 +45,7 @@ def scheduler(config_path, overlap: bool, total=1024, running=8, page_size=4, de
 def run(sched: Scheduler, arrivals: dict[int, list[GenerateRequest]], abort_after: dict[str, int] | None = None,
         limit: int = 3000) -> dict[str, dict]:
     """Steps through the script (arrivals before step i; `abort_after[rid] = k`: abort once k tokens
-    came out) until idle; returns rid -> {"ids", "reason", "meta", "logprobs"}."""
+    came out) until idle; returns rid -> {"ids", "reason", "meta", "logprobs", "prompt"}."""
     abort_after, out = dict(abort_after or {}), {}
     for i in range(limit):
         for msg in arrivals.get(i, []):
@@ -53,7 +53,9 @@ def run(sched: Scheduler, arrivals: dict[int, list[GenerateRequest]], abort_afte
         if i > max(arrivals, default=0) and not sched.has_work():
             break
         for o in sched.step():
-            rec = out.setdefault(o.rid, {"ids": [], "reason": None, "meta": None, "logprobs": []})
+            rec = out.setdefault(o.rid, {"ids": [], "reason": None, "meta": None, "logprobs": [], "prompt": None})
+            assert o.input_logprobs is None or rec["prompt"] is None  # sent once
+            rec["prompt"] = o.input_logprobs or rec["prompt"]
             rec["ids"] += o.new_token_ids
             rec["reason"], rec["meta"] = o.finish_reason, o.meta
             rec["logprobs"] += o.logprobs or []
@@ -148,7 +150,7 @@ def test_seeded_sampling_penalties_and_logprobs(tiny_config_path, device):
         for msgs in arrivals.values():
             for m in msgs:
                 if m.rid in ("r2", "r7"):
-                    m.return_logprob, m.top_logprobs_num = True, 3
+                    m.return_logprob, m.top_logprobs_num, m.logprob_start_len = True, 3, 1
         return arrivals
 
     plain, overlapped, _ = both(tiny_config_path, script, device=device)
@@ -159,15 +161,31 @@ def test_seeded_sampling_penalties_and_logprobs(tiny_config_path, device):
         for (lp_a, top_a), (lp_b, top_b) in zip(a, b):
             assert lp_b == pytest.approx(lp_a, abs=1e-5)
             assert [t for t, _ in top_b] == [t for t, _ in top_a]
+        a, b = plain[rid]["prompt"], overlapped[rid]["prompt"]  # the prompt's from token 1 on
+        assert len(a) == len(b) == plain[rid]["meta"]["prompt_tokens"] - 1 and a[0] == b[0] == [None, None]
+        assert [e[0] for e in b[1:]] == pytest.approx([e[0] for e in a[1:]], abs=1e-5)
 
 
 def test_small_pool_retracts(tiny_config_path):
-    script = staggered(4, n=10, params=lambda rng, i: dict(GREEDY, max_new_tokens=30 + rng.randrange(10)))
+    """Recomputed requests keep their outputs, and their prompt log-probs come out once, whole."""
+    base = staggered(4, n=10, params=lambda rng, i: dict(GREEDY, max_new_tokens=30 + rng.randrange(10)))
+
+    def script():
+        arrivals = base()
+        for msgs in arrivals.values():
+            for m in msgs:
+                m.return_logprob, m.logprob_start_len = True, 0
+        return arrivals
+
     reference = run(scheduler(tiny_config_path, False, total=8192), script())
     plain, overlapped, sched = both(tiny_config_path, script, total=320, running=6)
     assert sched.counters["retractions"] > 0
-    assert {r: v["ids"] for r, v in plain.items()} == {r: v["ids"] for r, v in reference.items()}
-    assert {r: v["ids"] for r, v in overlapped.items()} == {r: v["ids"] for r, v in reference.items()}
+    for got in (plain, overlapped):
+        assert {r: v["ids"] for r, v in got.items()} == {r: v["ids"] for r, v in reference.items()}
+        for rid, rec in got.items():
+            want = reference[rid]["prompt"]
+            assert len(rec["prompt"]) == len(want) == rec["meta"]["prompt_tokens"]
+            assert [e[0] for e in rec["prompt"][1:]] == pytest.approx([e[0] for e in want[1:]], abs=1e-4)
 
 
 def test_second_round_loads_back_from_l2(tiny_config_path):

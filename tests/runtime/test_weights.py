@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from hicache.runtime.model_config import SUPPORTED_ARCHITECTURES
 from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer
 from hicache.runtime.weights import detect_format, load_model
 
@@ -124,10 +125,13 @@ def test_bad_paths(tmp_path, tiny_config_path):
 
 def test_unsupported_architecture(tmp_path, tiny_config_path):
     d = json.loads(tiny_config_path.read_text())
-    d["architectures"] = ["Qwen2ForCausalLM"]
+    d["architectures"] = ["FalconForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    with pytest.raises(ValueError, match="unsupported architecture.*" + ", ".join(SUPPORTED_ARCHITECTURES)):
         load_model(tmp_path, load_format="dummy")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # auto-detected as a folder of safetensors
+    with pytest.raises(ValueError, match="unsupported architecture.*Qwen3ForCausalLM"):
+        load_model(tmp_path)
 
 
 def test_missing_tensor_is_an_error(tmp_path, tiny_config_path):

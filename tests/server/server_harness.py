@@ -24,6 +24,8 @@ import httpx
 LIGHT_FLAGS = ("--max-total-tokens", "8192", "--context-length", "4096", "--page-size", "16",
                "--max-running-requests", "32", "--chunked-prefill-size", "512", "--hicache-storage-backend", "memory")
 STARTUP_TIMEOUT_S = 600
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the default model's own name
+ALIAS = "smol"  # the shared server's second name (conftest.py)
 
 
 def free_port() -> int:

@@ -225,6 +225,14 @@ TYPES_AND_VALUES = [
     Case("logprobs a string", "POST", CHAT, chat(logprobs="x"), param="logprobs"),
     Case("echo a string", "POST", CMPL, cmpl(echo="x"), param="echo"),
     Case("suffix unsupported", "POST", CMPL, cmpl(suffix="x"), param="suffix"),
+    Case("chat unknown field", "POST", CHAT, chat(reasoning_effort="high"), param="reasoning_effort"),
+    Case("chat functions", "POST", CHAT, chat(functions=[{"name": "f"}]), param="functions"),
+    Case("chat store true", "POST", CHAT, chat(store=True), param="store"),
+    Case("message unknown field", "POST", CHAT, {"messages": [{"role": "user", "content": "hi", "audio": {}}]},
+         param="messages.0.audio"),
+    Case("stream_options unknown field", "POST", CHAT, chat(stream_options={"x": 1}), param="stream_options.x"),
+    Case("completions best_of", "POST", CMPL, cmpl(best_of=2), param="best_of"),
+    Case("generate unknown field", "POST", GEN, gen(lora_path="x"), param="lora_path"),
     Case("temperature a word", "POST", CHAT, chat(temperature="hot"), param="temperature"),
     Case("temperature -1", "POST", CHAT, chat(temperature=-1), param="temperature"),
     Case("top_p 0", "POST", CMPL, cmpl(top_p=0), param="top_p"),
@@ -329,19 +337,19 @@ def test_bad_input_is_a_json_4xx(http, before, case):
 
 RAW_CASES = [
     ("request line garbage", b"GARBAGE\r\n\r\n", 400),
-    ("header line without a colon", b"GET /health HTTP/1.1\r\nHost: x\r\nbad header\r\n\r\n", 400),
-    ("Content-Length not a number", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
-    ("two Content-Lengths", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    ("header line without a colon", b"GET /health HTTP/1.1\r\nHost: localhost\r\nbad header\r\n\r\n", 400),
+    ("Content-Length not a number", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n", 400),
+    ("two Content-Lengths", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
      400),
-    ("Transfer-Encoding gzip", b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
-    ("non-ASCII request line", b"GET /h\xc3\xa9 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("Transfer-Encoding gzip", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+    ("non-ASCII request line", b"GET /h\xc3\xa9 HTTP/1.1\r\nHost: localhost\r\n\r\n", 400),
     ("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 404),  # h11 takes PRI for a method; then 400 for SM
     ("no Host header", b"GET /health HTTP/1.1\r\n\r\n", 400),
-    ("bad chunk size", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    ("bad chunk size", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
     ("request line over 32 KiB", b"GET /" + b"a" * 40_000, 414),
-    ("headers over 32 KiB, unfinished", b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 40_000, 431),
-    ("Content-Length over the limit", b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    ("headers over 32 KiB, unfinished", b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-A: " + b"a" * 40_000, 431),
+    ("Content-Length over the limit", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                                       b"Content-Length: 20000000\r\n\r\n", 413),
 ]
 
@@ -382,7 +390,7 @@ def test_malformed_http_is_a_json_4xx(server, before, case):
 
 
 def test_partial_headers_get_408_and_the_connection_closed(server, before):
-    out, took = raw_exchange(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n", wait=READ_TIMEOUT_S + 5)
+    out, took = raw_exchange(server.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\n", wait=READ_TIMEOUT_S + 5)
     assert READ_TIMEOUT_S - 0.5 < took < READ_TIMEOUT_S + 3
     status, _, body = split_response(out)
     assert_json_error(status, body, 408)
@@ -392,7 +400,7 @@ def test_headers_dripped_byte_by_byte_are_cut_at_the_deadline(server, before):
     host, port = server.url.removeprefix("http://").split(":")
     started, closed_at = time.monotonic(), None
     with socket.create_connection((host, int(port)), timeout=READ_TIMEOUT_S + 5) as s:
-        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+        for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
             try:
                 s.sendall(bytes([byte]))
                 time.sleep(0.2)
@@ -410,7 +418,7 @@ def test_silent_connection_is_closed(server, before):
 
 
 def test_partial_body_gets_408_and_the_connection_closed(server, before):
-    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    head = b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     out, took = raw_exchange(server.url, head + b'{"te', wait=READ_TIMEOUT_S + 5)
     assert took < READ_TIMEOUT_S + 3
     status, headers, body = split_response(out)
@@ -419,7 +427,7 @@ def test_partial_body_gets_408_and_the_connection_closed(server, before):
 
 
 def test_unread_body_of_a_get_does_not_hold_the_connection(server, before):
-    out, took = raw_exchange(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nabc")
+    out, took = raw_exchange(server.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100000\r\n\r\nabc")
     assert split_response(out)[0] == 200 and took < 2
 
 
@@ -433,7 +441,7 @@ def test_bare_flush_cache_post_of_sglang_clients(http, before):
 
 def test_null_means_the_default(http, before):
     r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": None, "n": None, "stream": None, "logprobs": None,
-                              "temperature": None, "echo": None})
+                              "temperature": None, "echo": None, "best_of": None})  # null asks for nothing
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16 and len(r.json()["choices"]) == 1
 
@@ -480,10 +488,10 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     from jinja2 import TemplateError
     from starlette.testclient import TestClient
 
-    def refuse(_messages):
+    def refuse(_messages, _tools=None):
         raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse))) as c:
+    with TestClient(_app(SimpleNamespace(apply_chat_template=refuse, tokenizer=None)), base_url="http://localhost") as c:
         r = c.post(CHAT, json=msg("hi"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
@@ -492,13 +500,13 @@ def test_cors_only_for_the_configured_origins():
     from starlette.testclient import TestClient
 
     preflight = {"access-control-request-method": "POST", "access-control-request-headers": "content-type"}
-    with TestClient(_app(allowed_origins="https://ok.example")) as c:
+    with TestClient(_app(allowed_origins="https://ok.example"), base_url="http://localhost") as c:
         ok = c.options(GEN, headers={"origin": "https://ok.example", **preflight})
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ok.example"
         bad = c.options(GEN, headers={"origin": "https://evil.example", **preflight})
         assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
         assert set(bad.json()["error"]) == ERROR_KEYS
-    with TestClient(_app()) as c:
+    with TestClient(_app(), base_url="http://localhost") as c:
         r = c.options(GEN, headers={"origin": "https://ok.example", **preflight})
         assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
@@ -540,10 +548,56 @@ def test_connections_over_the_cap_get_503_and_idle_ones_are_closed():
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as first:
             time.sleep(0.2)
-            out, _ = raw_exchange(url, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            out, _ = raw_exchange(url, b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
             status, _, body = split_response(out)
             assert_json_error(status, body, 503)
             started = time.monotonic()
             assert first.recv(100) == b""  # said nothing: closed at the deadline, without an answer
             assert time.monotonic() - started < 2
         assert httpx.get(url, timeout=5).text == "ok"
+
+
+def test_only_the_allowed_hosts_are_answered():
+    from starlette.testclient import TestClient
+
+    def status(client, host=None):  # 404: past the Host check, to a route that does not exist
+        return client.get("/no-such-route", headers={"host": host} if host else None).status_code
+
+    with TestClient(_app(), base_url="http://evil.example") as c:  # bound to 127.0.0.1: loopback names only
+        r = c.get("/health")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed", r.text
+        assert [status(c, h) for h in ("localhost:30000", "127.0.0.1", "[::1]:8080")] == [404] * 3
+    with TestClient(_app(allowed_hosts="api.example"), base_url="http://api.example:443") as c:
+        assert status(c) == 404 and status(c, "localhost") == 400
+    with TestClient(_app(host="0.0.0.0"), base_url="http://anything.example") as c:
+        assert status(c) == 404
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted():
+    import asyncio
+
+    from starlette.responses import StreamingResponse
+
+    from hicache.server.app import WriteDeadlineMiddleware
+
+    closed = []
+
+    async def tokens():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)  # what aborts the stream's requests in the server
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.Event().wait()  # the client's socket is full: the write never completes
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    app = WriteDeadlineMiddleware(StreamingResponse(tokens()), timeout=0.2)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert time.monotonic() - started < 5 and closed == [True]

@@ -10,11 +10,13 @@ import signal
 import threading
 import time
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
-from server_harness import LIGHT_FLAGS, pid_alive, start_up
+from server_harness import LIGHT_FLAGS, MODEL_NAME, pid_alive, start_up
 
 pytestmark = pytest.mark.model
 KEY = "s3cret-key"
@@ -40,11 +42,18 @@ def test_api_key_enforced_on_every_route_but_health(keyed_server):
     assert httpx.get(url + "/health").status_code == 200
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/hicache/stats"),
                          ("GET", "/get_server_info"), ("POST", "/generate"), ("POST", "/flush_cache"),
-                         ("POST", "/v1/chat/completions"), ("GET", "/health_generate")]:
+                         ("POST", "/v1/chat/completions"), ("GET", "/health_generate"), ("POST", "/v1/messages"),
+                         ("POST", "/api/chat"), ("GET", "/api/tags"), ("POST", "/tokenize"), ("POST", "/apply_chat_template")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={})
             assert r.status_code == 401, (path, headers)
-            assert r.json()["error"]["code"] == "invalid_api_key"
+            error = r.json()["error"]  # in each API family's shape
+            if path.startswith("/api/"):
+                assert error.startswith("Invalid or missing API key")
+            elif path == "/v1/messages":
+                assert error["type"] == "authentication_error"
+            else:
+                assert error["code"] == "invalid_api_key"
     ok = httpx.get(url + "/v1/models", headers=keyed_server.headers)
     assert ok.status_code == 200
 
@@ -56,6 +65,34 @@ def test_openai_client_with_key(keyed_server):
     bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_anthropic_and_ollama_clients_with_key(keyed_server):
+    question = [{"role": "user", "content": "Hi"}]
+    good = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0, timeout=120)  # x-api-key
+    assert good.messages.count_tokens(model=MODEL_NAME, messages=question).input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=keyed_server.url, api_key="nope", max_retries=0).messages.count_tokens(
+            model=MODEL_NAME, messages=question)
+    assert ollama.Client(host=keyed_server.url, headers=keyed_server.headers).list().models
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=keyed_server.url).list()
+    assert e.value.status_code == 401
+
+
+def test_lang_runtime_endpoint_with_key(keyed_server):
+    import hicache.lang as sgl
+
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        sgl.RuntimeEndpoint(keyed_server.url)
+
+    @sgl.function
+    def hello(s):
+        s += sgl.user("Hello!")
+        s += sgl.assistant(sgl.gen("reply", max_tokens=2))
+
+    state = hello.run(temperature=0, backend=sgl.RuntimeEndpoint(keyed_server.url, api_key=KEY))
+    assert 1 <= state.get_meta_info("reply")["completion_tokens"] <= 2
 
 
 def test_stats_cli_needs_the_key(keyed_server):

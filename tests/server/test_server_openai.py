@@ -141,3 +141,19 @@ def test_openai_errors_raise_typed_exceptions(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=QUESTION, max_tokens=100_000)
     assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_continuous_usage_and_informational_fields(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=3, temperature=0, stream=True, user="u1", metadata={"k": "v"},
+        service_tier="auto", store=False, extra_body={"prompt_cache_key": "a", "safety_identifier": "s"},
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices and c.choices[0].delta.content]
+    assert counts and counts == sorted(counts) and counts[-1] <= 3
+
+
+def test_alias_is_accepted_and_the_first_name_reported(client, model):
+    from server_harness import ALIAS
+
+    assert [m.id for m in client.models.list().data] == [model, ALIAS]
+    assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1).model == model

@@ -25,7 +25,7 @@ import torch
 from hicache.pagekey import namespace_seed, page_keys, salted_seed
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
-from hicache.tiers.remote.framing import HEADER_SIZE, CorruptValue, StaleValue, decode_into, encode
+from hicache.tiers.remote.framing import HEADER_SIZE, CorruptValue, StaleValue, checksum, decode_into, encode, key_digest
 from hicache.tiers.remote.worker import StorageWorker
 
 NS = "00112233445566aa"
@@ -85,8 +85,8 @@ def test_framing_round_trip_and_every_mismatch_is_caught(dtype, secret):
     strided = torch.empty(SHAPE[:2] + (8,) + SHAPE[3:], dtype=dtype)[:, :, 2:6]  # a layer_first-like view
     decode_into(value, strided, KEY, secret)
     assert torch.equal(strided, page)
-    # magic, version, shape, length, crc, flags, key digest, payload (and the MAC, where there is one)
-    positions = [0, 3, 5, 33, 41, 44, 50, HEADER_SIZE - 6, HEADER_SIZE, len(value) - 1]
+    # magic, version, dtype, length, checksum, flags, key digest, payload (and the MAC, where there is one)
+    positions = [0, 3, 5, 33, 41, 48, 58, HEADER_SIZE - 6, HEADER_SIZE, len(value) - 1]
     for pos in positions:
         bad = bytearray(value)
         bad[pos] ^= 0x10
@@ -119,25 +119,25 @@ def test_a_value_is_bound_to_its_full_storage_key():
 
 def test_without_a_valid_mac_a_value_is_rejected_where_a_secret_is_set():
     page, out = pages(1)[0], torch.zeros(SHAPE)
-    plain = encode(page, KEY)  # what a writer without the secret makes: right key, valid CRC
+    plain = encode(page, KEY)  # what a writer without the secret makes: right key, valid checksum
     decode_into(plain, out, KEY)  # accepted where no secret is set
     with pytest.raises(CorruptValue, match="no MAC"):
         decode_into(plain, out, KEY, SECRET)
     with pytest.raises(CorruptValue, match="MAC mismatch"):
         decode_into(encode(page, KEY, b"another secret, 16+ bytes"), out, KEY, SECRET)
-    forged = bytearray(encode(page, KEY, SECRET))  # a payload changed, its CRC fixed, the MAC kept
+    forged = bytearray(encode(page, KEY, SECRET))  # a payload changed, its checksum fixed, the MAC kept
     forged[HEADER_SIZE:HEADER_SIZE + 4] = b"\x00\x00\x80\x7f"
-    struct.pack_into("<I", forged, 40, zlib.crc32(forged[HEADER_SIZE:]))
+    struct.pack_into("<Q", forged, 40, checksum(bytes(forged[HEADER_SIZE:])))
     decode_into(bytes(forged), out, KEY)  # a well-formed value...
     out.zero_()
     with pytest.raises(CorruptValue, match="MAC mismatch"):  # ...that the MAC rejects
         decode_into(bytes(forged), out, KEY, SECRET)
     unflagged = bytearray(encode(page, KEY, SECRET))
-    struct.pack_into("<H", unflagged, 44, 0)  # the MAC flag cleared: no longer a MACed value
+    struct.pack_into("<H", unflagged, 48, 0)  # the MAC flag cleared: no longer a MACed value
     with pytest.raises(CorruptValue):
         decode_into(bytes(unflagged), out, KEY)
     assert torch.equal(out, torch.zeros(SHAPE))
-    decode_into(encode(page, KEY, SECRET), out, KEY)  # a reader without the secret checks the CRC only
+    decode_into(encode(page, KEY, SECRET), out, KEY)  # a reader without the secret checks the checksum only
     assert torch.equal(out, page)
 
 
@@ -148,11 +148,20 @@ def v1_value(page: torch.Tensor) -> bytes:
     return header + raw.tobytes()
 
 
+def v2_value(page: torch.Tensor) -> bytes:
+    """A value in the second format (96-byte header, CRC-32): a valid frame of that version."""
+    raw = page.contiguous().view(torch.uint8).reshape(-1).numpy()
+    header = struct.pack("<3sBHH6IQIH2x16s32s", b"HKV", 2, 1, page.dim(), *page.shape, 0, raw.nbytes,
+                         zlib.crc32(raw), 0, key_digest(KEY), bytes(32))
+    return header + raw.tobytes()
+
+
 def test_an_old_format_version_is_stale():
     page, out = pages(1)[0], torch.zeros(SHAPE)
     for secret in (None, SECRET):
-        with pytest.raises(StaleValue):
-            decode_into(v1_value(page), out, KEY, secret)
+        for old in (v1_value(page), v2_value(page)):
+            with pytest.raises(StaleValue):
+                decode_into(old, out, KEY, secret)
     assert issubclass(StaleValue, CorruptValue) and torch.equal(out, torch.zeros(SHAPE))
     with pytest.raises(CorruptValue, match="magic"):
         decode_into(b"HK", out, KEY)
@@ -474,6 +483,32 @@ def test_worker_stops_a_fetch_at_the_first_miss_and_counts_failures(tmp_path):
     assert (fetch.ok, fetch.pages) == (False, 0) and "injected" in fetch.error
     assert (backup.ok, backup.pages) == (False, 0)
     assert w.stats()["errors"] == 2
+    w.close()
+
+
+def test_worker_revokes_a_queued_backup_but_not_a_running_one():
+    pool = host_pool("page_first")
+    backend = make_backend("memory", NS)
+    running, release = threading.Event(), threading.Event()
+    real_set = backend.batch_set
+
+    def slow_set(keys_, pages_):
+        running.set()
+        release.wait(10)
+        return real_set(keys_, pages_)
+
+    backend.batch_set = slow_set
+    w = StorageWorker(backend, pool, batch_pages=2)
+    k = keys(4)
+    first = w.backup(k[:2], pool.allocator.alloc(8))
+    second = w.backup(k[2:], pool.allocator.alloc(8))
+    assert running.wait(10)
+    assert not w.revoke(first) and w.revoke(second)
+    release.set()
+    r_first, r_second = results(w, 2)
+    assert (r_first.ok, r_first.pages) == (True, 2)
+    assert (r_second.ok, r_second.pages, r_second.error) == (False, 0, "cancelled")
+    assert backend.batch_exists(k) == 2  # the revoked pages were never read nor written
     w.close()
 
 

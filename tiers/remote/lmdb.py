@@ -381,7 +381,7 @@ class LmdbBackend(BackendBase):
         e = self._ready()
         if e.full is not None:  # a full disk that eviction could not help: drop fast until recheck
             raise BackendUnavailable(self.status())
-        items = [(self.storage_key(k), self.encode(k, p)) for k, p in zip(keys, pages)]
+        items = list(zip((self.storage_key(k) for k in keys), self.encode_all(keys, pages)))
         written, nbytes = e.submit(e.put, items).result()
         self.count(set_pages=written, bytes_written=nbytes)
         return written

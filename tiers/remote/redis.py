@@ -88,7 +88,7 @@ class RedisBackend(BackendBase):
         return self.fill(keys, values, pages)
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
-        values = [self.encode(k, p) for k, p in zip(keys, pages)]
+        values = self.encode_all(keys, pages)
         done = self._pipeline(lambda p: [p.set(self._prefix + k, v, nx=True) for k, v in zip(keys, values)])
         written = [len(v) for v, ok in zip(values, done) if ok]
         self.count(set_pages=len(written), bytes_written=sum(written))

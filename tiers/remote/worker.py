@@ -47,6 +47,7 @@ class StorageWorker:
         self._queues = {"prefetch": queue.Queue(), "backup": queue.Queue()}
         self._progress: dict[int, int] = {}
         self._cancelled: set[int] = set()
+        self._started: set[int] = set()
         self._done: list[StorageResult] = []
         self._pending = 0
         self._cv = threading.Condition()
@@ -85,12 +86,20 @@ class StorageWorker:
             if ticket in self._progress:
                 self._cancelled.add(ticket)
 
+    def revoke(self, ticket: int) -> bool:
+        with self._cv:
+            if ticket not in self._progress or ticket in self._started:
+                return False
+            self._cancelled.add(ticket)
+            return True
+
     def poll(self) -> list[StorageResult]:
         with self._cv:
             done, self._done = self._done, []
             for res in done:  # progress() keeps answering until the result is handed over
                 self._progress.pop(res.ticket, None)
                 self._cancelled.discard(res.ticket)
+                self._started.discard(res.ticket)
         return done
 
     def wait(self, timeout: float) -> None:
@@ -149,8 +158,11 @@ class StorageWorker:
 
     def _execute(self, op: _Op) -> None:
         start = time.perf_counter()
+        with self._cv:  # from here on revoke() answers False: the operation may touch its pages
+            cancelled = op.ticket in self._cancelled
+            self._started.add(op.ticket)
         try:
-            if op.ticket in self._cancelled:
+            if cancelled:
                 res = StorageResult(op.ticket, op.kind, False, 0, error="cancelled")
             else:
                 res = getattr(self, "_" + op.kind)(op)

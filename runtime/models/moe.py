@@ -1,0 +1,124 @@
+"""The sparse MLP of Qwen2-MoE, Qwen3-MoE and Mixtral: a router, routed experts, and (Qwen2-MoE) a
+sigmoid-gated shared expert.
+
+Routing as HF computes it: softmax of the router logits in fp32, the top k, renormalised to sum
+to 1 when the config says so (Mixtral always), cast to the model dtype. The experts' weights are
+stacked, w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; on CUDA they run through the
+fused Triton grouped GEMM (`hicache.kernels.moe`), elsewhere through the torch reference
+(`hicache.kernels.experts`).
+
+Checkpoint names are Qwen's (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`, ...);
+`hf_name` maps Mixtral's (`block_sparse_moe.experts.{e}.w1.weight`, ...) onto them. Whole stacks
+load too: `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (transformers' in-memory layout)
+and `mlp.experts.gate_proj` / `mlp.experts.up_proj` (GGUF's per-layer tensors).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hicache.kernels.experts import moe_reference
+from hicache.runtime.model_config import ModelConfig
+
+_MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|gate)\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACK = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj|gate_proj|up_proj)$")
+_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_proj": ("gate_proj",), "up_proj": ("up_proj",),
+            "down_proj": ("down_proj",)}
+
+
+@functools.cache
+def _fused_moe():
+    """The Triton grouped GEMM where triton is installed, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from hicache.kernels.moe import fused_moe
+
+    return fused_moe
+
+
+def hf_name(name: str) -> str:
+    """Mixtral's MoE tensor names in Qwen's spelling; other names unchanged."""
+    m = _MIXTRAL.search(name)
+    if m is None:
+        return name
+    head = name[:m.start()]
+    if m.group(1) is None:
+        return f"{head}.mlp.gate.weight"
+    return f"{head}.mlp.experts.{m.group(1)}.{_MIXTRAL_PROJ[m.group(2)]}.weight"
+
+
+def covered_names(name: str, num_experts: int) -> list[str]:
+    """The per-expert names a stacked tensor stands for; [name] for any other tensor."""
+    m = _STACK.match(name)
+    if m is None:
+        return [name]
+    return [f"{m.group(1)}.{e}.{p}.weight" for e in range(num_experts) for p in _STACKED[m.group(2)]]
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shared: nn.Module | None = None):
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.num_experts, self.inter = moe.num_experts, moe.intermediate_size
+        h = config.hidden_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate = param(moe.num_experts, h)  # the router
+        self.w13 = param(moe.num_experts, 2 * moe.intermediate_size, h)
+        self.w2 = param(moe.num_experts, h, moe.intermediate_size)
+        self.shared_expert = shared
+        self.shared_expert_gate = param(1, h) if shared is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K] in x's dtype, expert ids [T, K] int64)."""
+        probs = F.linear(x, self.gate).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        fused = _fused_moe() if x.is_cuda else None
+        experts = fused if fused is not None else moe_reference
+        out = experts(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
+
+    def weight_names(self) -> list[str]:
+        names = ["gate.weight"] + [f"experts.{e}.{p}.weight" for e in range(self.num_experts)
+                                   for p in ("gate_proj", "up_proj", "down_proj")]
+        if self.shared_expert is not None:
+            names += ["shared_expert_gate.weight"] + [f"shared_expert.{n}" for n in self.shared_expert.weight_names()]
+        return names
+
+    def target(self, rest: str) -> torch.Tensor | None:
+        """The parameter (or the slice of one) that the tensor `mlp.<rest>` fills."""
+        i = self.inter
+        stacks = {"gate.weight": self.gate, "experts.gate_up_proj": self.w13, "experts.down_proj": self.w2,
+                  "experts.gate_proj": self.w13[:, :i], "experts.up_proj": self.w13[:, i:]}
+        if rest in stacks:
+            return stacks[rest]
+        m = _EXPERT.match(rest)
+        if m is not None and int(m.group(1)) < self.num_experts:
+            e, proj = int(m.group(1)), m.group(2)
+            return {"gate_proj": self.w13[e, :i], "up_proj": self.w13[e, i:], "down_proj": self.w2[e]}[proj]
+        if self.shared_expert is None:
+            return None
+        if rest == "shared_expert_gate.weight":
+            return self.shared_expert_gate
+        if rest.startswith("shared_expert."):
+            return self.shared_expert.target(rest[len("shared_expert."):])
+        return None
