@@ -1,7 +1,8 @@
 """Gemma 3 and sliding windows, end to end on tiny random models built by HF transformers
 (`from_config`, saved as safetensors), fp32 on CPU: greedy outputs equal HF's, batched, with
 chunked prefill, retractions, radix hits and load-backs from L2 that skip the windowed layers'
-KV before the window (hicache/controller.py: load_back). Also Mistral's sliding window.
+KV before the window (hicache/controller.py: load_back). Also Mistral's sliding window, and a
+tiny Gemma 3 written as a GGUF file.
 The real Gemma 3 270M GGUF is checked in test_gemma3_gguf.py."""
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ import pytest
 import torch
 from test_hicache_l2 import GREEDY, drain, request
 
+from families import write_gguf
 from golden.regenerate import greedy
 from hicache.config import HiCacheConfig
 from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models import get_model_class
+from hicache.runtime.weights.gguf import GGUFCheckpoint
 
 WINDOW, VOCAB, NEW = 8, 512, 6
 
 
-def save_tiny(kind: str, folder) -> str:
+def tiny_hf(kind: str, **options):
     """A tiny HF model of `kind` with a sliding window of WINDOW tokens, weights scaled up from
     HF's init so that the outputs depend on every part of the model."""
     import transformers
@@ -28,16 +32,18 @@ def save_tiny(kind: str, folder) -> str:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
-                  max_position_embeddings=1024, eos_token_id=1, bos_token_id=2)
-    if kind == "gemma3":
-        cfg = transformers.Gemma3TextConfig(**common, sliding_window_pattern=2, query_pre_attn_scalar=24,
-                                            final_logit_softcapping=30.0)
-    else:
-        cfg = transformers.MistralConfig(**common)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+                  max_position_embeddings=1024, eos_token_id=1, bos_token_id=2) | options
+    cls = transformers.Gemma3TextConfig if kind == "gemma3" else transformers.MistralConfig
+    model = transformers.AutoModelForCausalLM.from_config(cls(**common), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.5 if "norm" in name else 0.2)
+    return model
+
+
+def save_tiny(kind: str, folder):
+    options = dict(sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=30.0)
+    model = tiny_hf(kind, **options if kind == "gemma3" else {})
     model.save_pretrained(str(folder))
     return model
 
@@ -99,3 +105,23 @@ def test_mistral_sliding_window_matches_hf(tmp_path):
     got = run(scheduler(tmp_path), batch, "m")
     for i, p in enumerate(batch):
         assert got[f"m{i}"][0] == greedy(hf, p, NEW)[0], i
+
+
+def test_gguf_loads_as_hf(tmp_path):
+    """The gemma3 GGUF loader (llama.cpp's names, norms stored plus one, q/k rows as HF's) on a
+    tiny model written as llama.cpp's converter lays it out: the same config and weights as from
+    HF's model (whose outputs the tests above check). A GGUF leaves out the layer pattern, local
+    RoPE base and attention scale: Gemma3TextConfig's defaults (1 global layer in 6)."""
+    hf = tiny_hf("gemma3", num_hidden_layers=6)
+    ckpt = GGUFCheckpoint(write_gguf(hf, tmp_path / "gemma3.gguf", "gemma3"))
+    want = ModelConfig.from_hf_config(hf.config.to_dict())
+    fields = ("architecture", "layer_windows", "attn_scale", "rope_theta", "rope_local_theta", "head_dim",
+              "hidden_act", "qk_norm", "final_logit_softcapping", "tie_word_embeddings")
+    assert [getattr(ckpt.config, f) for f in fields] == [getattr(want, f) for f in fields]
+    assert ckpt.config.layer_windows == (WINDOW,) * 5 + (None,)
+    assert ckpt.config.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # stored as float32
+    got, ref = get_model_class(ckpt.config.architecture)(ckpt.config), get_model_class(want.architecture)(want)
+    got.check_loaded(got.load_weights(ckpt.tensors()))
+    ref.check_loaded(ref.load_weights(hf.state_dict().items()))
+    for (name, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

@@ -1,8 +1,9 @@
 """Gemma 3 270M (Q4_K_M GGUF, `--model-path gemma3-270m`) against HF transformers on the same
 GGUF, fp32 on CPU: greedy outputs equal the golden `tests/golden/gemma3.json` (HF's, made by
-tests/golden/regenerate.py). The default suite runs two short prompts and one past the 512-token
-sliding window with a few new tokens; `make test-all` runs all 8 prompts (up to 2,000 tokens)
-with all 32 tokens, then again from the radix cache, and HF live on one prompt."""
+tests/golden/regenerate.py). Only in `make test-all` (the file is fetched on first use): two short
+prompts and one past the 512-token sliding window; all 8 prompts (up to 2,000 tokens) with all 32
+tokens, then again from the radix cache; HF live on one prompt. The default suite covers the
+gemma3 GGUF loader on a tiny model (test_gemma3.py)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from golden import load_golden
 
 GOLDEN = load_golden("gemma3", model="gemma3-270m")
 CASES = GOLDEN["cases"]
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,12 @@ def test_short_and_past_the_window_match_hf(engine):
     assert_outputs_equal(generate_ids(engine, [c["prompt"] for c in cases], 4), cases, 4)
 
 
-@pytest.mark.slow
 def test_eight_prompts_up_to_2k_tokens_match_hf_twice(engine):
     prompts, new = [c["prompt"] for c in CASES], GOLDEN["new_tokens"]
     assert_outputs_equal(generate_ids(engine, prompts, new), CASES, new)
     assert_outputs_equal(generate_ids(engine, prompts, new), CASES, new, label="cached prompt")
 
 
-@pytest.mark.slow
 def test_live_hf_oracle_agrees_with_the_golden():
     from golden.regenerate import greedy, load_hf
 
