@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, StrictBool, ValidationError
 
 from hicache.server.protocol import APIError, Strict, describe_validation
-from hicache.server.tool_plan import ToolPlan
+from hicache.server.tool_plan import ToolPlan, arguments_object
 from hicache.server.tools import Tool, ToolCall, ToolChoice, ToolError, check_unique, make_tool
 
 TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control"}
@@ -174,17 +174,9 @@ def answer_blocks(plan: ToolPlan, text: str) -> tuple[list[dict], bool]:
     """(the content blocks, whether they call tools) of a whole answer."""
     parsed = plan.read(text)
     blocks = [{"type": "text", "text": parsed.content}] if parsed.content else []
-    blocks += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": _input(c.arguments)}
+    blocks += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": arguments_object(c.arguments)}
                for c in parsed.calls]
     return blocks or [{"type": "text", "text": ""}], bool(parsed.calls)
-
-
-def _input(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class BlockStream:

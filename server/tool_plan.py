@@ -5,6 +5,7 @@ Each API route (OpenAI, Anthropic, Ollama) turns its own shapes into `Tool`s, a 
 neutral messages, calls `make_plan`, and shapes the calls it reads back in its own way."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -55,3 +56,13 @@ def make_plan(messages: list[dict], tools: list[Tool], choice: ToolChoice, paral
 def bad_request(e: ToolError) -> APIError:
     """The 400 for a malformed tool, choice or tool message (the route's error style applies)."""
     return APIError(400, str(e), param=e.param, code="invalid_value")
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's arguments as an object, for APIs that send them so; `{}` when the text is not a
+    JSON object (a call cut short by the token limit)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -4,6 +4,8 @@ against its schema); a tool_result goes back through the same rendering as OpenA
 messages; bad tools, choices and blocks are Anthropic 400s naming the field."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
@@ -68,24 +70,23 @@ def test_auto_and_none_are_well_formed(client, choice, streamed):
 
 
 def test_a_tool_result_round_trip_renders_as_openai_does(client, server):
-    first = create(client, False, max_tokens=64, tool_choice={"type": "tool", "name": "get_weather"})
-    use = first.content[0]
-    history = [*QUESTION, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 3}}
+    history = [*QUESTION, {"role": "assistant", "content": [use]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                              "content": [{"type": "text", "text": "sunny, 24 C"}]}]}]
-    m = create(client, False, max_tokens=4, messages=history)
+    m = create(client, False, max_tokens=4, messages=history, tool_choice={"type": "none"})
     assert m.content[0].type == "text" and m.usage.output_tokens >= 1
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    call = {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": use.model_dump_json(
-        include={"input"})[len('{"input":'):-1]}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(use["input"])}}
     chat = oai.chat.completions.create(model=MODEL_NAME, max_tokens=1, tools=[
         {"type": "function", "function": {"name": t["name"], "description": t["description"],
                                           "parameters": t["input_schema"]}} for t in TOOLS],
         messages=[*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
-                  {"role": "tool", "tool_call_id": use.id, "content": "sunny, 24 C"}])
-    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}])
     assert client.messages.count_tokens(model=ALIAS, messages=history, tools=TOOLS).input_tokens == \
         chat.usage.prompt_tokens
+    # with tool_choice none the tools are not shown: the prompt is shorter by their description
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens < chat.usage.prompt_tokens
 
 
 def use_turn(tool_input=None) -> dict:
