@@ -61,12 +61,32 @@ def test_forced_choices_give_valid_tool_use_blocks(client, choice, streamed):
     assert names == ["get_weather"] or choice["type"] == "any"
 
 
+def asked(i: int, city: str, days: int) -> list[dict]:
+    """A question, the assistant's tool_use answering it, and the tool's result."""
+    use = {"type": "tool_use", "id": f"toolu_{i}", "name": "get_weather", "input": {"city": city, "days": days}}
+    return [{"role": "user", "content": f"Weather in {city} for {days} days?"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "sunny"}]},
+            {"role": "assistant", "content": "Sunny."}]
+
+
+# two examples, then the question: the model answers with a call in the same format
+FEW_SHOT = [*asked(1, "London", 2), *asked(2, "Rome", 1), {"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def test_auto_reads_the_calls_out_of_the_answer_streamed_or_not(client):
+    whole, streamed = (create(client, s, max_tokens=40, messages=FEW_SHOT) for s in (False, True))
+    assert check_uses(whole, enforced=False)[:1] == ["get_weather"], whole.content
+    assert [b.type for b in streamed.content] == [b.type for b in whole.content]
+    assert [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in streamed.content] == \
+        [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in whole.content]
+    assert streamed.stop_reason == whole.stop_reason
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("choice", ["auto", "none"])
-def test_auto_and_none_are_well_formed(client, choice, streamed):
-    m = create(client, streamed, max_tokens=8, tool_choice={"type": choice})
-    assert m.content and all(b.type in ("text", "tool_use") for b in m.content)
-    assert check_uses(m, enforced=False) == [] or choice == "auto"
+def test_none_gives_text_only(client, streamed):
+    m = create(client, streamed, max_tokens=8, messages=FEW_SHOT, tool_choice={"type": "none"})
+    assert [b.type for b in m.content] == ["text"] and m.stop_reason != "tool_use"
 
 
 def test_a_tool_result_round_trip_renders_as_openai_does(client, server):
