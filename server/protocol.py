@@ -395,7 +395,6 @@ class GenerateReqInput(RouterDefaults):
     return_text_in_logprobs: StrictBool = False
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
-    return_text_in_logprobs: Optional[Literal[False]] = None
     background: Optional[Literal[False]] = None
     return_bytes: Optional[Literal[False]] = None
     return_entropy: Optional[Literal[False]] = None

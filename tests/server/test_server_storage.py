@@ -138,31 +138,8 @@ def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys)
         assert "degraded" in capsys.readouterr().out
         redis_server.start()
         wait_for(lambda: health_storage(a) == "ok")  # the worker's probe noticed it is back
-
         b = start_server(*flags)
-        p, q = TURNS[0], TURNS[0][:200] + TURNS[1]
-        on_a = generate(a, p)
-        settle(a)
-        on_b = generate(b, p)
-        assert on_b["output_ids"] == on_a["output_ids"]
-        assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= 64
-
-        reference_q = generate(a, q)
-        redis_server.stop()  # killed mid-run
-        again = generate(b, q)
-        assert again["output_ids"] == reference_q["output_ids"]
-        assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
-        wait_for(lambda: health_storage(b).startswith("degraded"))
-        assert storage_stats(b)["errors"] > 0
-
-        redis_server.start()  # back, empty: storage resumes
-        wait_for(lambda: health_storage(b) == "ok")
-        r = TURNS[2] * 3
-        on_b = generate(b, r)
-        settle(b)
-        on_a = generate(a, r)
-        assert on_a["output_ids"] == on_b["output_ids"]
-        assert on_a["meta_info"]["cached_tokens_details"]["storage"] >= 64
+        share_and_survive(a, b, redis_server, q=TURNS[0][:200] + TURNS[1])
     finally:
         a.stop()
         if b is not None:
@@ -179,30 +156,36 @@ def test_two_servers_share_mooncake_and_survive_its_master_going_away(mooncake_m
     b = None
     try:
         b = start_server(*flags)
-        p, q = TURNS[0], TURNS[1] * 3
-        on_a = generate(a, p)
-        settle(a)
-        on_b = generate(b, p)
-        assert on_b["output_ids"] == on_a["output_ids"]
-        assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= 64
-
-        reference_q = generate(a, q)
-        mooncake_master.stop()  # killed mid-run
-        again = generate(b, q)
-        assert again["output_ids"] == reference_q["output_ids"]
-        assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
-        wait_for(lambda: health_storage(b).startswith("degraded"))
-        assert storage_stats(b)["errors"] > 0
-
-        mooncake_master.start()
-        wait_for(lambda: health_storage(b) == "ok")
-        r = TURNS[2] * 3
-        on_b = generate(b, r)
-        settle(b)
-        on_a = generate(a, r)
-        assert on_a["output_ids"] == on_b["output_ids"]
-        assert on_a["meta_info"]["cached_tokens_details"]["storage"] >= 64
+        share_and_survive(a, b, mooncake_master, q=TURNS[1] * 3)
     finally:
         a.stop()
         if b is not None:
             b.stop()
+
+
+def share_and_survive(a, b, store, q: list) -> None:
+    """b serves from the shared store what a computed, with a's greedy outputs; the store stopped
+    mid-run: b serves `q` as a miss and counts errors; the store back (empty): storage resumes."""
+    p = TURNS[0]
+    on_a = generate(a, p)
+    settle(a)
+    on_b = generate(b, p)
+    assert on_b["output_ids"] == on_a["output_ids"]
+    assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= 64
+
+    reference_q = generate(a, q)
+    store.stop()  # killed mid-run
+    again = generate(b, q)
+    assert again["output_ids"] == reference_q["output_ids"]
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
+    wait_for(lambda: health_storage(b).startswith("degraded"))
+    assert storage_stats(b)["errors"] > 0
+
+    store.start()
+    wait_for(lambda: health_storage(b) == "ok")
+    r = TURNS[2] * 3
+    on_b = generate(b, r)
+    settle(b)
+    on_a = generate(a, r)
+    assert on_a["output_ids"] == on_b["output_ids"]
+    assert on_a["meta_info"]["cached_tokens_details"]["storage"] >= 64
