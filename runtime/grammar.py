@@ -12,9 +12,12 @@
   tokens (`Scheduler.process_result` advances it as it appends a token; `sync` rolls it back to the
   outputs the request keeps when it is retracted).
 - `fill_bitmask` writes the allowed next tokens of a batch into an int32 bitmask on the host
-  (bit j of word w: token 32 w + j). The model runner calls it after the forward pass is queued,
-  so on a device the host fills the mask while the pass runs; `runtime/constraint.py` applies it
-  to the logits in the sampler, outside any CUDA graph.
+  (bit j of word w: token 32 w + j), the rows on `FILL_THREADS` threads of XGrammar's (its C++
+  releases the GIL): a row of a JSON schema over a large vocabulary costs a fraction of a
+  millisecond, too much to fill a large batch's rows one after another inside a decode step. The
+  model runner calls it after the forward pass is queued, so on a device the host fills the mask
+  while the pass runs; `runtime/constraint.py` applies it to the logits in the sampler, outside
+  any CUDA graph.
 
 Stop tokens (the model's EOS ids) are allowed only where the grammar may end; a matcher that has
 accepted one is terminated, and the request finishes (`runtime/stop.py`).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -33,6 +37,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
+# threads that fill a batch's bitmask rows: half the cores this process may use, at most 16
+FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
@@ -195,23 +201,26 @@ class RequestGrammar:
             for t in outputs:
                 self.accept(t)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_fillers = threading.local()  # each scheduler thread's xgrammar.BatchGrammarMatcher
+
+
 def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor | None:
     """[B, ceil(V / 32)] int32 on the host: row i the tokens request i may take next (all for a row
     without a grammar); None when no row has one."""
-    if all(g is None for g in grammars):
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
         return None
+    if not hasattr(_fillers, "matcher"):
+        import xgrammar as xgr
+
+        _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
     mask = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    for i, g in enumerate(grammars):
-        if g is not None:
-            g.fill(mask, i)
+    _fillers.matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], mask, rows)
     return mask
 
 
