@@ -12,12 +12,14 @@
   tokens (`Scheduler.process_result` advances it as it appends a token; `sync` rolls it back to the
   outputs the request keeps when it is retracted).
 - `fill_bitmask` writes the allowed next tokens of a batch into an int32 bitmask on the host
-  (bit j of word w: token 32 w + j), the rows on `FILL_THREADS` threads of XGrammar's (its C++
-  releases the GIL): a row of a JSON schema over a large vocabulary costs a fraction of a
-  millisecond, too much to fill a large batch's rows one after another inside a decode step. The
-  model runner calls it after the forward pass is queued, so on a device the host fills the mask
-  while the pass runs; `runtime/constraint.py` applies it to the logits in the sampler, outside
-  any CUDA graph.
+  (bit j of word w: token 32 w + j), the rows on `FILL_THREADS` threads of XGrammar's: a row of a
+  JSON schema over a large vocabulary costs a fraction of a millisecond, too much to fill a large
+  batch's rows one after another inside a decode step. `BitmaskFiller` (the model runner's) runs it
+  on a thread of its own (XGrammar's C++ releases the GIL), so that the scheduler thread goes on
+  meanwhile: the runner starts the fill after the forward pass is queued and queues the sampling
+  only when the next step needs it (`runtime/runner.py: PendingStep`), so that the fill overlaps
+  the pass on the device and the planning of the next step on the host. `runtime/constraint.py`
+  applies the mask to the logits in the sampler, outside any CUDA graph.
 
 Stop tokens (the model's EOS ids) are allowed only where the grammar may end; a matcher that has
 accepted one is terminated, and the request finishes (`runtime/stop.py`).
@@ -37,8 +39,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
-# threads that fill a batch's bitmask rows: half the cores this process may use, at most 16
-FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+# threads that fill a batch's bitmask rows: the cores this process may use but two (the scheduler
+# thread, the caller's), at least 1, at most 16
+FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
@@ -206,7 +209,7 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-_fillers = threading.local()  # each scheduler thread's xgrammar.BatchGrammarMatcher
+_fillers = threading.local()  # each filling thread's xgrammar.BatchGrammarMatcher
 
 
 def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor | None:
@@ -215,13 +218,38 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
+    return _fill([grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+
+
+def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
     if not hasattr(_fillers, "matcher"):
         import xgrammar as xgr
 
         _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
-    mask = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    _fillers.matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], mask, rows)
+    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    _fillers.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
     return mask
+
+
+class BitmaskFiller:
+    """`fill_bitmask` on a background thread. The caller must not advance or roll back the
+    matchers of a fill until it has its result."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> Future | None:
+        """A future of `fill_bitmask(grammars, vocab_size)`; None when no row has a grammar."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask")
+        return self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 # ---- over a scheduler's queue (requests with a `grammar` attribute) -----------------------------

@@ -155,6 +155,7 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammars.close()
+        self.runner.close()
         self.cache.close()
 
     def flush_cache(self) -> bool:
