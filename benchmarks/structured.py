@@ -61,9 +61,10 @@ class StepProfile:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         parts = {"step": (scheduler.Scheduler, "step"), "forward": (runner.ModelRunner, "forward"),
-                 "sample": (runner.ModelRunner, "sample"), "fill": (runner, "fill_bitmask"),
+                 "sample": (runner.ModelRunner, "sample"), "fill": (grammar, "_fill"),
                  "sampler": (runner.Sampler, "launch"), "wait": (runner.PendingStep, "result"),
-                 "process": (scheduler.Scheduler, "process_result"), "accept": (grammar.RequestGrammar, "accept")}
+                 "process": (scheduler.Scheduler, "process_result"), "accept": (grammar.RequestGrammar, "accept"),
+                 "launch": (runner.PendingStep, "launch"), "plan": (scheduler.Scheduler, "continue_decode")}
         for name, (owner, attr) in parts.items():
             setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
 
