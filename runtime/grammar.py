@@ -3,7 +3,8 @@
 - `check_grammar(kind, text)` parses a grammar without a tokenizer (milliseconds): the front end
   calls it through `SamplingParams.from_dict`, so a bad schema, regex or EBNF is a 400 naming the
   field before anything is queued.
-- `GrammarCompiler` belongs to the scheduler. It compiles for the model's tokenizer on a small
+- `GrammarCompiler` belongs to the scheduler. It advances a step's matchers together (`accept`),
+  and compiles for the model's tokenizer on a small
   thread pool, so that the scheduler thread never waits for a compilation: a request stays in the
   queue until its grammar is ready, while the others keep running. Compiled grammars are cached by
   (kind, text) in an LRU (the futures themselves: requests that arrive together share one
@@ -39,9 +40,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
-# threads that fill a batch's bitmask rows: the cores this process may use but two (the scheduler
-# thread, the caller's), at least 1, at most 16
-FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+# threads that fill a batch's bitmask rows, or advance its matchers: half the cores this process
+# may use, at most 16
+FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+ACCEPT_CHUNK = 8  # matchers a thread advances at least
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
@@ -101,6 +103,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
         self._tokenizer, self._vocab, self._stops = tokenizer, vocab_size, list(stop_token_ids)
         self._pool: ThreadPoolExecutor | None = None
+        self._accept_pool: ThreadPoolExecutor | None = None  # `accept`'s
         self._compiler = None  # xgrammar.GrammarCompiler, built by the first compilation
         self._lock = threading.Lock()  # guards building _compiler
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -136,9 +139,31 @@ class GrammarCompiler:
         compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar}[kind]
         return compile_fn(text)
 
+    def accept(self, pairs: Sequence[tuple[RequestGrammar, int]]) -> None:
+        """`RequestGrammar.accept` of each (grammar, token) pair: XGrammar's batch accept, on up to
+        `FILL_THREADS` threads (its C++ releases the GIL) for a large batch."""
+        import xgrammar as xgr
+
+        live = [(g, t) for g, t in pairs if not g.rejected]
+        matchers, tokens = [g.matcher for g, _ in live], [t for _, t in live]
+        parts = max(1, min(FILL_THREADS, len(live) // ACCEPT_CHUNK))
+        if parts == 1:
+            oks = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens) if live else []
+        else:
+            if self._accept_pool is None:
+                self._accept_pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hicache-accept")
+            ends = [len(live) * k // parts for k in range(parts + 1)]
+            oks = [ok for f in [self._accept_pool.submit(xgr.BatchGrammarMatcher.batch_accept_token,
+                                                         matchers[a:b], tokens[a:b]) for a, b in zip(ends, ends[1:])]
+                   for ok in f.result()]
+        for (g, t), ok in zip(live, oks):
+            g.record(t, ok)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
 
 
 class RequestGrammar:
@@ -177,9 +202,12 @@ class RequestGrammar:
         return self._matcher
 
     def accept(self, token: int) -> None:
-        if self.rejected:
-            return
-        if self.matcher.accept_token(token):
+        if not self.rejected:
+            self.record(token, self.matcher.accept_token(token))
+
+    def record(self, token: int, ok: bool) -> None:
+        """Notes that the matcher accepted `token` (`ok`) or refused it."""
+        if ok:
             self.accepted += 1
         else:
             logger.warning("a %s grammar rejected token %d: ending the request", self.kind, token)
