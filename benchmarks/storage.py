@@ -1,15 +1,18 @@
 """L3 storage: backend bandwidth, and a multi-turn workload that only L3 can hold.
 
-    .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--skip-multi-turn]
+    .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--mooncake] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
 
 1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
    fp32: 30 layers x 3 KV heads x 64, page 64 tokens = 2.9 MB) from and into a host pool, for
    LMDB (a fresh environment in a temp folder, so reads come from the page cache) and Redis (a
-   redis-server started here on a free port). GB/s = page bytes moved / wall time of the batch.
-   `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x 128, bf16, page 64
-   tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU server.
+   redis-server started here on a free port) and, with `--mooncake`, Mooncake Store (a master
+   started here on free ports; writer and reader are two clients, each mounting
+   `--mooncake-segment-mb`, so reads cross between them over TCP). GB/s = page bytes moved / wall
+   time of the batch. `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x
+   128, bf16, page 64 tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU
+   server.
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
@@ -77,6 +80,22 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
             "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
             "write_gbps": nbytes / statistics.median(write_s) / 1e9,
             "read_gbps": nbytes / statistics.median(read_s) / 1e9}
+
+
+def mooncake_bandwidth(args) -> dict:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from mooncake_proc import MooncakeMaster  # the tests' launcher of a local master
+
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-mooncake-") as folder:
+        master = MooncakeMaster(Path(folder))
+        master.start()
+        try:
+            options = {**master.options, "global_segment_mb": args.mooncake_segment_mb, "local_buffer_mb": 1024}
+            return bandwidth("mooncake", options, args.batches)
+        finally:
+            master.stop()
 
 
 def _timed(worker, op, keys, slots) -> float:
@@ -191,6 +210,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--skip-redis", action="store_true")
     ap.add_argument("--skip-multi-turn", action="store_true")
+    ap.add_argument("--mooncake", action="store_true", help="also Mooncake Store (needs mooncake-transfer-engine)")
+    ap.add_argument("--mooncake-segment-mb", type=int, default=4096, help="memory each Mooncake client mounts")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system", type=int, default=64)
@@ -214,8 +235,10 @@ def main() -> None:
         finally:
             proc.kill()
             proc.wait()
+    if args.mooncake:
+        record["bandwidth"].append(mooncake_bandwidth(args))
     for b in record["bandwidth"]:
-        print(f"{b['backend']:6s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
+        print(f"{b['backend']:8s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
               f"({b['batch_pages']} pages of {b['page_bytes'] / 2**20:.2f} MiB a batch)")
     if not args.skip_multi_turn:
         record["multi_turn"] = multi_turn(args)

@@ -9,7 +9,7 @@ from hicache.eviction import DEFAULT as DEFAULT_EVICTION, STRATEGIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
-STORAGE_BACKENDS = ("lmdb", "redis", "memory", "none")
+STORAGE_BACKENDS = ("lmdb", "redis", "mooncake", "memory", "none")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
@@ -29,8 +29,8 @@ class HiCacheConfig:
     hicache_load_ahead_layers: int = field(default=2, metadata={"help": "Layers of a layer-wise load-back queued ahead of the layer the forward pass waits for (queuing every layer before the pass costs the host the time its own launches need)."})
     hicache_load_blocks: int = field(default=16, metadata={"help": "Programs per layer and K/V of the Triton gather kernel that loads pages back (io_backend kernel, or direct where the driver lacks batched copies): more moves pages faster but takes more SMs from the compute it overlaps."})
     hicache_load_decision: str = field(default="measured", metadata={"help": "Whether a prefix cached on L3 (and L2) is loaded or recomputed: measured (L3 hits: whichever is faster by the load bandwidth and prefill rate measured while serving; L2 hits are loaded), measured_all (L2 hits too) or always (load every hit)."})
-    hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), memory (in-process, for tests) or none."})
-    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync (lmdb); url, key_prefix, socket_timeout (redis); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
+    hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), mooncake (a Mooncake Store cluster shared between servers), memory (in-process, for tests) or none."})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync (lmdb); url, key_prefix, socket_timeout (redis); master, metadata_server, protocol, device_name, local_hostname, global_segment_mb, local_buffer_mb, key_prefix (mooncake); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
     hicache_storage_secret: str | None = field(default=None, repr=False, metadata={"help": "Secret (at least 16 bytes) that authenticates L3 values with an HMAC-SHA256: a value without a valid MAC is a counted miss, so writers to a shared store (Redis) without it cannot plant pages. Every server sharing a store needs the same one. Default: none (values are still bound to their keys and checksummed). Never logged or shown."})
 

@@ -50,7 +50,8 @@ class LoadBack(NamedTuple):
 class CacheController:
     def __init__(self, tree: RadixTree, host_pool: HostPool | None = None, transfer: TransferEngine | None = None,
                  write_policy: str = "write_through", load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS,
-                 load_decision: str = "measured"):
+                 load_decision: str = "measured", window: int | None = None):
+        """`window`: the model's sliding window W when it has windowed layers (see `load_back`)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         if (host_pool is None) != (transfer is None):
@@ -63,6 +64,7 @@ class CacheController:
         self.write_policy = write_policy
         self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
         self.enabled = host_pool is not None and not tree.disabled
+        self.window = window
         self._stale: list[TreeNode] = []
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
@@ -133,6 +135,13 @@ class CacheController:
         `load_back_min_tokens` ("short": recompute it), when L1 cannot make room for it plus
         `extra_tokens` even by evicting ("room": try later), or when the copy failed at once
         ("failed": recompute). The copy may still be in flight: wait on `pending_loads`.
+
+        With a sliding window W, the windowed layers load only the tokens from a page before the
+        last W + page of the loaded prefix: the caller computes from the prefix's end, so its
+        windowed layers never read the tokens before. The nodes wholly before that cut hold
+        untrusted windowed KV on L1: they are marked stale, so that no other match ends in or
+        passes through them, and their L1 copies (with everything below) are dropped once the
+        caller unlocks them (their L2 copies stay whole).
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
@@ -144,6 +153,7 @@ class CacheController:
         queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
         if not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
             return refuse("slow")
+        cut = self._window_cut(match)
         chain = self.tree.load_chain(match.last_host_node)
         n = sum(len(node.key) for node in chain)
         host = torch.cat([node.host_slots for node in chain])
@@ -159,7 +169,8 @@ class CacheController:
         last = chain[-1]
         self.tree.lock(last)  # the caller's lock moves down to the loaded part
         self.tree.unlock(match.last_node)
-        ticket = self.transfers.submit("load", chain, (last,), lambda: self.transfer.load(host, slots))
+        load = (lambda: self.transfer.load(host, slots, skip=cut)) if cut else (lambda: self.transfer.load(host, slots))
+        ticket = self.transfers.submit("load", chain, (last,), load)
         self.collect()
         if ticket in self.transfers.failed:  # failed at once: nobody used the pages; undo and recompute
             del self.transfers.failed[ticket]
@@ -168,7 +179,33 @@ class CacheController:
             self.drop_stale()
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")
+        self._mark_windowless(chain, cut)
         return LoadBack(slots, last, ticket)
+
+    def _window_cut(self, match: MatchResult) -> int:
+        """Tokens at the head of the L2 part whose windowed-layer KV a load-back may skip (page
+        multiple, 0 without a window); splits the node the cut falls in."""
+        if self.window is None:
+            return 0
+        page, start = self.tree.page_size, len(match.device_slots)
+        end = start + match.host_hit_tokens
+        cut = max(0, (end - self.window - page) // page * page - start)
+        offset = 0
+        for node in self.tree.load_chain(match.last_host_node):
+            if 0 < cut - offset < len(node.key):
+                self.tree.split(node, cut - offset)
+                break
+            offset += len(node.key)
+        return cut
+
+    def _mark_windowless(self, chain: list[TreeNode], cut: int) -> None:
+        end = 0
+        for node in chain:
+            end += len(node.key)
+            if end > cut:
+                return
+            node.stale = True
+            self._stale.append(node)
 
     def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
         alloc = self.tree.allocator

@@ -167,8 +167,7 @@ class CacheManager:
         self.allocator.free(lease.slots[lease.prefix_len:max(present, lease.prefix_len)])
         self.allocator.free(lease.slots[max(taken_end, lease.prefix_len):])
         self.drop(lease)
-        if not keep:
-            self.controller.drop_stale()
+        self.controller.drop_stale()  # (nodes of failed loads, and those a windowed load-back left untrusted)
 
     def drop(self, lease: Lease) -> None:
         """Unlocks the lease and frees its row; its own slots must have been freed."""

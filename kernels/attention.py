@@ -2,6 +2,8 @@
 
 Every function checks its inputs strictly and names the offending argument. Shapes:
 q [T, Hq, D]; k_buffer / v_buffer [num_slots, Hkv, D]; Hq a multiple of Hkv (grouped-query).
+A sliding `window` W (None: full attention) follows HF's convention: the query at position i
+sees the keys at positions j with i - W < j <= i, W keys at most, itself included.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _check_heads(q: torch.Tensor, k_buffer: torch.Tensor) -> None:
 
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      token_slots: Sequence[torch.Tensor], extend_lens: Sequence[int],
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int | None = None) -> torch.Tensor:
     """Prefill of new tokens that attend to a cached prefix plus themselves, causally.
 
     token_slots[i]: [prefix_i + extend_i] int64, the slots of request i's whole sequence so far
@@ -51,7 +53,10 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)
         rows = torch.arange(total - n, total, device=q.device)[:, None]
-        mask = torch.arange(total, device=q.device)[None, :] <= rows  # [n, total]
+        cols = torch.arange(total, device=q.device)[None, :]
+        mask = cols <= rows  # [n, total]
+        if window is not None:
+            mask &= cols > rows - window
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
         start += n
@@ -59,7 +64,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                     slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     slot_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """One query token per request over its paged KV.
 
     q [B, Hq, D]; slot_table [B, L] int64 (row b's first seq_lens[b] entries are request b's
@@ -70,12 +76,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         raise ValueError(f"slot_table {tuple(slot_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"do not match batch {q.shape[0]}")
     batch, max_len = q.shape[0], int(seq_lens.max())
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    cols = torch.arange(max_len, device=q.device)[None, :]
+    valid = cols < seq_lens[:, None]  # [B, L]
+    visible = valid if window is None else valid & (cols >= seq_lens[:, None] - window)
     # index_select on one flat index is several times faster than 2-D advanced indexing on CPU
     flat = slot_table[:, :max_len].masked_fill(~valid, 0).reshape(-1)
     shape = (batch, max_len) + k_buffer.shape[1:]
     k = k_buffer.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
     v = v_buffer.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     return o[:, :, 0, :]

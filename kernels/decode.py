@@ -1,7 +1,8 @@
 """Triton decode attention: one query token per request over its paged KV (flash-decoding).
 
 Needs triton and a CUDA device; import this module lazily (the runtime does, on CUDA only).
-Stage 1 splits each request's sequence into `num_splits` ranges; one program handles one
+Stage 1 splits each request's visible keys (the whole sequence, or under a sliding window W its
+last W keys: HF's convention) into `num_splits` ranges; one program handles one
 (request, KV head, range) and all the query heads of that KV head's group at once (grouped-query
 heads share each K/V load). Stage 2 merges the ranges' partial outputs by their log-sum-exp.
 Reference: `hicache.kernels.attention.decode_attention` (with slot_table = req_to_token[req_rows]).
@@ -18,10 +19,11 @@ from hicache.kernels.checks import (dot_precision, heads, index_vector, kv_buffe
 BLOCK_N = 64
 MAX_SPLITS = 64
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window of full attention: wider than any sequence
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one build for every split count
-def _decode_split(Q, K, V, Table, Rows, SeqLens, PartOut, PartLse, scale_log2,
+def _decode_split(Q, K, V, Table, Rows, SeqLens, PartOut, PartLse, window, scale_log2,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, num_splits,
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -31,8 +33,9 @@ def _decode_split(Q, K, V, Table, Rows, SeqLens, PartOut, PartLse, scale_log2,
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(Rows + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -96,10 +99,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, num_splits: int | None = None, out: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_buffer [slots, Hkv, D] (q's dtype); req_to_token [R, C] int32/int64 (row
     r lists request r's slots in order); req_rows [B], seq_lens [B] (>= 1, <= C). Returns [B, Hq, D]
-    (into `out` if given). `num_splits` fixed (CUDA graphs) or None: picked from seq_lens (syncs)."""
+    (into `out` if given). `num_splits` fixed (CUDA graphs) or None: picked from seq_lens (syncs).
+    window: a sliding window W >= 1 (the last W keys), or None."""
     device = on_cuda(q=q, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
                      req_rows=req_rows, seq_lens=seq_lens)
     kv_buffers(k_buffer, v_buffer)
@@ -115,6 +120,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         max_len = int(seq_lens.max()) if batch else 1
         num_splits = default_num_splits(batch, k_buffer.shape[1], max_len, num_sms(device))
     require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    require(window is None or window >= 1, f"window must be None or >= 1, got {window}")
     if out is None:
         out = torch.empty_like(q)
     require(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must be like q")
@@ -127,7 +133,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     # 2 warps, 3 stages: the best of a parameter sweep
     stages = pipeline_stages(device, 2 * block_n * d * q.element_size(), (3, 2))
     _decode_split[(batch, k_buffer.shape[1], num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_rows, seq_lens, part_out, part_lse, scale * LOG2E,
+        q, k_buffer, v_buffer, req_to_token, req_rows, seq_lens, part_out, part_lse,
+        NO_WINDOW if window is None else window, scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), num_splits,

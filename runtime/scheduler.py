@@ -354,7 +354,8 @@ class Scheduler:
 
     def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
         dropped = self._settle_loads(plan) if plan.loads is not None else ()
-        if plan.mode == "extend":  # the prefill rate that loads from L2 and L3 are weighed against
+        if plan.mode == "extend" and all(r.cache_kv for r in plan.reqs):  # not the warm-up (it compiles kernels)
+            # the prefill rate that loads from L2 and L3 are weighed against
             self.cache.record_prefill(sum(plan.extend_lens), time.perf_counter() - plan.created)
         self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
                               if req.grammar is not None and out.next_ids[i] is not None

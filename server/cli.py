@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(serve, RuntimeConfig, "model and scheduling")
     add_dataclass_flags(serve, HiCacheConfig, "KV cache")
     stats = sub.add_parser("stats", help="Show per-tier KV cache statistics of a running server.")
-    stats.add_argument("--url", default=os.environ.get("HICACHE_URL", DEFAULT_URL),
-                       help=f"Server base URL (default: $HICACHE_URL or {DEFAULT_URL}).")
+    stats.add_argument("--url", action="append", default=None,
+                       help=f"Server base URL (default: $HICACHE_URL or {DEFAULT_URL}); repeat it for several "
+                            "replicas: each one's stats, then the total.")
     stats.add_argument("--watch", type=float, metavar="SECONDS", default=None,
                        help="Refresh every SECONDS until Ctrl-C.")
     stats.add_argument("--json", action="store_true", help="Print the raw JSON instead of tables.")
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.watch is not None and args.watch <= 0:
             print("hicache stats: --watch must be > 0 seconds", file=sys.stderr)
             return 2
-        return stats_cli.run(args.url, args.watch, args.json, args.api_key)
+        urls = args.url or [os.environ.get("HICACHE_URL", DEFAULT_URL)]
+        return stats_cli.run(urls, args.watch, args.json, args.api_key)
     return _serve(args)
 
 

@@ -189,6 +189,7 @@ async def health_generate(request: Request):
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")  # the name SGLang's router asks first
 async def get_model_info(request: Request) -> dict:
     tm = tm_of(request)
     return {"model_path": tm.runtime_config.model_path, "model_name": tm.info.model_name,
@@ -197,6 +198,7 @@ async def get_model_info(request: Request) -> dict:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(request: Request) -> dict:
     tm = tm_of(request)
     server = {k: v for k, v in asdict(request.app.state.config).items() if k != "api_key"}

@@ -9,12 +9,11 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-
-from hicache.server.openai_tools import StreamShaper, ToolPlan, final_message, plan_tools
+from hicache.server.openai_tools import StreamShaper, final_message, plan_tools
 from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from hicache.server.serving import (
-    ChoiceResult,
     SSE_HEADERS,
+    ChoiceResult,
     check_model,
     check_prompt,
     check_sampling,
@@ -29,6 +28,7 @@ from hicache.server.serving import (
     usage,
 )
 from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+from hicache.server.tool_plan import ToolPlan
 
 router = APIRouter()
 OPENAI_RENAMES = {"max_new_tokens": "max_tokens", "json_schema": "response_format.json_schema.schema"}
@@ -74,7 +74,7 @@ async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     tm = tm_of(request)
     model = check_model(request, body.model)
-    tools = plan_tools(body, getattr(tm.tokenizer, "chat_template", None), request.app.state.config.tool_call_parser)
+    tools = plan_tools(body, request)
     ids = render_chat(tm, tools.messages, "messages", tools.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,

@@ -1,55 +1,23 @@
 """Tool calling on /v1/chat/completions: the request's tools, choice and history checked and
 rendered (`plan_tools`), and the answer's calls shaped as OpenAI's `message.tool_calls` and streamed
-`delta.tool_calls`. The format-neutral parts live in `server/tools.py`, `server/tool_parser.py`
-and `server/tool_grammar.py`."""
+`delta.tool_calls`. The API-neutral parts live in `server/tool_plan.py` and the modules it uses."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hicache.server.protocol import APIError, ChatCompletionRequest
-from hicache.server.tool_grammar import call_constraint
-from hicache.server.tool_parser import ToolDelta, ToolParser, parse_text
-from hicache.server.tools import (
-    ToolError,
-    ToolStyle,
-    check_history,
-    parse_call,
-    parse_tool_choice,
-    parse_tools,
-    render,
-    template_style,
-)
+from fastapi import Request
+from hicache.server.protocol import ChatCompletionRequest
+from hicache.server.tool_parser import ToolDelta
+from hicache.server.tool_plan import ToolPlan, bad_request, make_plan, request_style
+from hicache.server.tools import ToolError, parse_call, parse_tool_choice, parse_tools
 
 
-@dataclass(frozen=True)
-class ToolPlan:
-    """What one chat request does about tools."""
-
-    messages: list[dict]  # for the chat template
-    template_tools: list[dict] | None  # the template's `tools` argument
-    constraint: dict  # sampling fields that force the calls ({} when none are forced)
-    style: ToolStyle
-    parallel: bool
-    parses: bool  # whether the answer is read for calls
-
-    def parser(self) -> ToolParser | None:
-        return ToolParser(self.style.format, self.parallel) if self.parses else None
-
-
-def plan_tools(body: ChatCompletionRequest, template: str | None, parser_flag: str | None) -> ToolPlan:
+def plan_tools(body: ChatCompletionRequest, request: Request) -> ToolPlan:
     """Check the request's tools, choice and history (400 naming the field) and render them."""
     try:
-        messages = _conversation(body)
         tools = parse_tools(body.tools)
         choice = parse_tool_choice(body.tool_choice, tools)
-        check_history(messages)
-        style = template_style(template, parser_flag)
-        rendered = render(messages, tools, choice, style)
-        constraint = call_constraint(tools, choice, style.format, body.parallel_tool_calls)
+        return make_plan(_conversation(body), tools, choice, body.parallel_tool_calls, request_style(request))
     except ToolError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-    return ToolPlan(rendered.messages, rendered.tools, constraint, style, body.parallel_tool_calls,
-                    parses=bool(tools) and choice.mode != "none")
+        raise bad_request(e) from None
 
 
 def _conversation(body: ChatCompletionRequest) -> list[dict]:
@@ -72,7 +40,7 @@ def final_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple
     """The choice's message and finish reason ('tool_calls' when the answer called tools)."""
     if plan is None or not plan.parses:
         return {"role": "assistant", "content": text}, reason
-    parsed = parse_text(text, plan.style.format, plan.parallel)
+    parsed = plan.read(text)
     if not parsed.calls:
         return {"role": "assistant", "content": parsed.content}, reason
     calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -8,8 +8,9 @@ integers and booleans, bounded counts). Sampling values are range-checked by the
 `SamplingParams.from_dict` (one rulebook for the Engine and the server). Nothing is silently
 ignored: a field the server does not act on is a 400 naming it (`Strict` bodies), except
 OpenAI's informational fields (`user`, `metadata`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`), which change no answer. `null` for a field that has a default means that
-default.
+`safety_identifier`), which change no answer, and the fields SGLang's router writes into every body
+it forwards (`RouterDefaults`), accepted at the values that ask for nothing more. `null` for a field
+that has a default means that default.
 """
 from __future__ import annotations
 
@@ -291,7 +292,19 @@ class ResponseFormat(Strict):
         return json.dumps(self.json_schema.schema_)
 
 
-class SamplingFields(Strict):
+class RouterDefaults(Strict):
+    """Fields that SGLang's router (`sglang-router`) sets in every body it forwards: accepted where
+    they ask for nothing this server does not do (False), or where they change no answer (logging
+    switches; reasoning switches, with no reasoning parser here)."""
+
+    return_hidden_states: Optional[Literal[False]] = None
+    log_metrics: Optional[StrictBool] = None
+    no_logs: Optional[StrictBool] = None
+    separate_reasoning: Optional[StrictBool] = None
+    stream_reasoning: Optional[StrictBool] = None
+
+
+class SamplingFields(RouterDefaults):
     """Decoding options shared by both OpenAI endpoints (SGLang's extensions included)."""
 
     model: Optional[str] = None
@@ -350,6 +363,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Any]] = None  # checked, with the two below, by server/tools.py
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: StrictBool = True
+    continue_final_message: Optional[Literal[False]] = None
 
 
 PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
@@ -367,7 +381,7 @@ class CompletionRequest(SamplingFields):
 # ---- native ---------------------------------------------------------------------------------
 
 
-class GenerateReqInput(Strict):
+class GenerateReqInput(RouterDefaults):
     """SGLang's /generate body: the fields hicache acts on (any other is a 400 naming it)."""
 
     text: Optional[Union[str, list[str]]] = None
@@ -381,6 +395,10 @@ class GenerateReqInput(Strict):
     return_text_in_logprobs: StrictBool = False
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
+    return_text_in_logprobs: Optional[Literal[False]] = None
+    background: Optional[Literal[False]] = None
+    return_bytes: Optional[Literal[False]] = None
+    return_entropy: Optional[Literal[False]] = None
 
 
 class AbortReqInput(Strict):

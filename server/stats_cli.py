@@ -1,4 +1,5 @@
-"""`hicache stats`: per-tier hit rates, occupancy, traffic and evictions of a running server."""
+"""`hicache stats`: per-tier hit rates, occupancy, traffic and evictions of a running server, or of
+several replicas (one `--url` each): each replica's, then the total over them."""
 from __future__ import annotations
 
 import json
@@ -40,21 +41,23 @@ def fetch(url: str, api_key: str | None, timeout: float = 5.0) -> dict:
         raise StatsUnavailable(f"the server at {shown} did not answer JSON (is it a hicache server?)") from None
 
 
-def run(url: str, watch: float | None, as_json: bool, api_key: str | None) -> int:
+def run(urls: str | list[str], watch: float | None, as_json: bool, api_key: str | None) -> int:
+    """Prints the stats of the server at `urls` (one URL, or several replicas' URLs)."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
     console = Console(width=None if sys.stdout.isatty() else 150)  # piped: don't squeeze to 80 columns
     try:
         if as_json:
-            return _run_json(url, watch, api_key)
+            return _run_json(urls, watch, api_key)
         if not watch or not console.is_terminal:  # piped: one table per refresh, like `watch`
             while True:
-                console.print(render(fetch(url, api_key), url))
+                console.print(render_all(urls, api_key))
                 if not watch:
                     return 0
                 time.sleep(watch)
-        with Live(render(fetch(url, api_key), url), console=console, auto_refresh=False) as live:
+        with Live(render_all(urls, api_key), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(render(fetch(url, api_key), url), refresh=True)
+                live.update(render_all(urls, api_key), refresh=True)
     except StatsUnavailable as e:
         print(f"hicache stats: {e}", file=sys.stderr)
         return 1
@@ -62,24 +65,64 @@ def run(url: str, watch: float | None, as_json: bool, api_key: str | None) -> in
         return 0
 
 
-def _run_json(url: str, watch: float | None, api_key: str | None) -> int:
+def _run_json(urls: list[str], watch: float | None, api_key: str | None) -> int:
     while True:
-        print(redact(json.dumps(fetch(url, api_key))), flush=True)
+        stats = [fetch(u, api_key) for u in urls]
+        out = stats[0] if len(urls) == 1 else {"replicas": dict(zip(urls, stats)), "total": total(stats)}
+        print(redact(json.dumps(out)), flush=True)
         if not watch:
             return 0
         time.sleep(watch)
 
 
+def render_all(urls: list[str], api_key: str | None) -> Group:
+    stats = [fetch(u, api_key) for u in urls]
+    if len(stats) == 1:
+        return render(stats[0], urls[0])
+    return Group(*(render(s, u) for s, u in zip(stats, urls)), _total_table(total(stats)))
+
+
+def total(stats: list[dict]) -> dict:
+    """The replicas' requests and prompt tokens summed, with the hit rate of each tier over all of them."""
+    counts = [_token_counts(s) for s in stats]
+    prompt = sum(n for _, n in counts)
+    cached = {t: sum(c.get(t, 0) for c, _ in counts) for t in TIERS}
+    return {"replicas": len(stats), "running": sum(s.get("running", 0) for s in stats),
+            "queued": sum(s.get("queued", 0) for s in stats),
+            "requests_finished": sum(s.get("requests_finished", 0) for s in stats),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rates": {t: (cached[t] / prompt if prompt else None) for t in TIERS}}
+
+
+def _total_table(tot: dict) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_row("[bold]total[/bold]", f"{tot['replicas']} replicas", f"running {tot['running']}",
+              f"queued {tot['queued']}", f"finished {_num(tot['requests_finished'])}")
+    t.add_row("hit rate", *(f"{name} {_pct(rate)}" for name, rate in tot["hit_rates"].items()),
+              f"of {_num(tot['prompt_tokens'])} prompt tokens")
+    return t
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1%}"
+
+
 def hit_rates(stats: dict) -> dict[str, float | None]:
     """Prompt tokens served from each tier over all prompt tokens (of finished requests when the
     server counts them; else the scheduler's computed + cached tokens)."""
+    cached, total_tokens = _token_counts(stats)
+    return {t: (cached.get(t, 0) / total_tokens if total_tokens else None) for t in TIERS}
+
+
+def _token_counts(stats: dict) -> tuple[dict, int]:
+    """(cached tokens per tier, prompt tokens) of one server's stats."""
     server = stats.get("server") or {}
     cached = server.get("cached_tokens") or (stats.get("tokens") or {}).get("cached") or {}
-    total = server.get("prompt_tokens")
-    if total is None:
+    prompt = server.get("prompt_tokens")
+    if prompt is None:
         tokens = stats.get("tokens") or {}
-        total = tokens.get("prompt", 0) + sum(v for v in cached.values() if isinstance(v, (int, float)))
-    return {t: (cached.get(t, 0) / total if total else None) for t in TIERS}
+        prompt = tokens.get("prompt", 0) + sum(v for v in cached.values() if isinstance(v, (int, float)))
+    return cached, prompt
 
 
 def render(stats: dict, url: str = "") -> Group:

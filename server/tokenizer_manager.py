@@ -464,9 +464,9 @@ async def _wait_exit(proc) -> None:
 
 
 def _load_tokenizer(runtime_config):
-    from hicache.runtime.default_model import default_model_path
+    from hicache.runtime.default_model import resolve_model_path
 
-    return load_tokenizer(runtime_config.model_path or default_model_path())
+    return load_tokenizer(resolve_model_path(runtime_config.model_path))
 
 
 _DEAD = "\x00scheduler-dead:"  # prefixes the reason in outputs injected by _mark_dead (-> 503)

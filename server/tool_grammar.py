@@ -16,9 +16,11 @@ from hicache.server.tools import CALL_SUFFIX, SEPARATORS, Tool, ToolChoice, Tool
 MAX_WHITESPACE = 1  # in a row inside the arguments: a small model must not loop on blanks
 
 
-def call_constraint(tools: list[Tool], choice: ToolChoice, fmt: str, parallel: bool) -> dict[str, str]:
+def call_constraint(tools: list[Tool], choice: ToolChoice, fmt: str, parallel: bool,
+                    schema_param: str = "function.parameters") -> dict[str, str]:
     """Sampling fields ({"ebnf": ...}) forcing the calls `choice` asks for; {} when it forces none.
-    A named function or `parallel` false allows exactly one call."""
+    A named function or `parallel` false allows exactly one call. A schema XGrammar rejects is a
+    `ToolError` naming `tools.<i>.<schema_param>`."""
     if not choice.forced:
         return {}
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
@@ -28,7 +30,7 @@ def call_constraint(tools: list[Tool], choice: ToolChoice, fmt: str, parallel: b
         return {"ebnf": _ebnf(key, fmt, single)}
     except Exception as e:  # xgrammar rejects a schema: name the tool
         i = next((i for i, t in enumerate(tools) if t in chosen and not _usable(t.parameters)), 0)
-        raise ToolError(f"this schema cannot constrain the call: {e}", f"tools.{i}.function.parameters") from None
+        raise ToolError(f"this schema cannot constrain the call: {e}", f"tools.{i}.{schema_param}") from None
 
 
 def _usable(schema: dict) -> bool:

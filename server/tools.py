@@ -3,7 +3,8 @@ how a conversation with tools is rendered through a chat template.
 
 An API route turns its body into `Tool`s (`parse_tools`), a `ToolChoice` (`parse_tool_choice`) and
 neutral messages (dicts with `role`, `content`, optionally `name`, and `tool_calls: list[ToolCall]`
-on assistant turns or `tool_call_id` on tool results, checked by `check_history`); `render`
+on assistant turns or `tool_call_id` on tool results, and `path` naming that id's field in the
+API's request when it is not `messages.<i>.tool_call_id`, checked by `check_history`); `render`
 prepares them for `apply_chat_template`. `server/tool_parser.py` reads calls back out of the
 model's text and `server/tool_grammar.py` builds the constraint that forces them.
 
@@ -82,6 +83,10 @@ def parse_tools(raw: list | None, param: str = "tools") -> list[Tool]:
         if not isinstance(fn, dict):
             raise ToolError("missing the 'function' object", f"{at}.function")
         tools.append(make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{at}.function"))
+    return check_unique(tools, param)
+
+
+def check_unique(tools: list[Tool], param: str = "tools") -> list[Tool]:
     names = [t.name for t in tools]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
@@ -89,7 +94,7 @@ def parse_tools(raw: list | None, param: str = "tools") -> list[Tool]:
     return tools
 
 
-def make_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool:
+def make_tool(name: Any, description: Any, parameters: Any, param: str, schema_key: str = "parameters") -> Tool:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ToolError("a function name of 1 to 64 letters, digits, '_' or '-' is required", f"{param}.name")
     if description is not None and not isinstance(description, str):
@@ -97,7 +102,7 @@ def make_tool(name: Any, description: Any, parameters: Any, param: str) -> Tool:
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise ToolError("must be a JSON schema of type 'object'", f"{param}.parameters")
+        raise ToolError("must be a JSON schema of type 'object'", f"{param}.{schema_key}")
     return Tool(name, description or "", parameters)
 
 
@@ -148,11 +153,11 @@ def check_history(messages: list[dict], param: str = "messages") -> None:
         calls.update(c.id for c in m.get("tool_calls") or ())
         if m["role"] != "tool":
             continue
-        call_id = m.get("tool_call_id")
+        call_id, at = m.get("tool_call_id"), m.get("path") or f"{param}.{i}.tool_call_id"
         if not isinstance(call_id, str) or not call_id:
-            raise ToolError("a tool message needs the tool_call_id of the call it answers", f"{param}.{i}.tool_call_id")
+            raise ToolError("a tool message needs the tool_call_id of the call it answers", at)
         if call_id not in calls:
-            raise ToolError(f"{call_id!r} answers no earlier assistant tool call", f"{param}.{i}.tool_call_id")
+            raise ToolError(f"{call_id!r} answers no earlier assistant tool call", at)
 
 
 # ---- rendering --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
   a test-only single-sequence attention backend (`SimpleAttention`).
 - autouse: a private `$HICACHE_HOME` per test module and per test (tests/homes.py).
 - `redis_server`: a real redis-server on a free port, stopped after the test (`RedisServer`).
+- `mooncake_master`: a real Mooncake master on free ports for the module (`MooncakeMaster`).
 - autouse: one intra-op thread for tests not marked `model` (see `_torch_threads`); OpenMP
   threads wait passively (tests/omp_env.py).
 - Hypothesis profiles: `default` sized for `make test`, `thorough` (`--hypothesis-profile
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from hypothesis import settings
 
 from homes import private_home
+from mooncake_proc import MooncakeMaster, import_error as mooncake_import_error
 from redis_proc import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,3 +173,18 @@ def redis_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    """A running real Mooncake master for the module (skipped where the wheel cannot be imported,
+    e.g. without libibverbs; CI installs both)."""
+    why = mooncake_import_error()
+    if why:
+        pytest.skip(why)
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()

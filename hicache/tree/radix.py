@@ -183,6 +183,10 @@ class RadixTree(Residency):
 
     # ---- structure ------------------------------------------------------------------------
 
+    def split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cuts `node` after k tokens (0 < k < len, page-aligned); see `_split`."""
+        return self._split(node, k)
+
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cuts `node` after k tokens (0 < k < len, page-aligned); returns the new upper node.
 

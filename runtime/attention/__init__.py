@@ -43,7 +43,8 @@ class AttentionBackend(Protocol):
         contiguous, v possibly a strided view (last dim contiguous). Stores k and v at
         `batch.out_cache_loc` in layer `layer_id`'s pool buffers, waits for that layer's load-back
         (`batch.wait_layer`), and returns [T, Hq, D] (q's dtype and device): each new token's
-        causal attention, scale D**-0.5, over its request's KV (cached prefix and new tokens)."""
+        causal attention over its request's KV (cached prefix and new tokens), with the scale and
+        the layer's sliding window the backend was made with (`make_attention`)."""
         ...
 
 
@@ -87,20 +88,25 @@ class SplitAttention:
         self.decode.before_replay(state, rows, seq_lens, lens, req_table)
 
 
-def _torch(head_dim: int, device: torch.device) -> AttentionBackend:
+Windows = tuple  # per layer: its sliding window W, or None (full attention); () for no windowed layer
+
+
+def _torch(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
     from hicache.runtime.attention.reference import TorchAttention
 
-    return TorchAttention(head_dim)
+    return TorchAttention(head_dim, scale, windows)
 
 
-def _triton(head_dim: int, device: torch.device) -> AttentionBackend:
+def _triton(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
     _require_cuda("triton", device)
     from hicache.runtime.attention.triton import TritonAttention
 
-    return TritonAttention(head_dim)
+    return TritonAttention(head_dim, scale, windows)
 
 
-def _flashinfer(head_dim: int, device: torch.device) -> AttentionBackend:
+def _flashinfer(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
+    if any(windows):
+        raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers; use triton")
     _require_cuda("flashinfer", device)
     from hicache.kernels import flashinfer
 
@@ -108,7 +114,7 @@ def _flashinfer(head_dim: int, device: torch.device) -> AttentionBackend:
         raise ValueError("attention_backend 'flashinfer' needs the flashinfer package (pip install flashinfer-python)")
     from hicache.runtime.attention.flashinfer import FlashInferAttention
 
-    return FlashInferAttention(head_dim)
+    return FlashInferAttention(head_dim, scale)
 
 
 def _require_cuda(name: str, device: torch.device) -> None:
@@ -120,7 +126,8 @@ def _cuda(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-BACKENDS: dict[str, Callable[[int, torch.device], AttentionBackend]] = {  # name -> factory(head_dim, device)
+# name -> factory(head_dim, device, scale (None: head_dim**-0.5), windows)
+BACKENDS: dict[str, Callable[[int, torch.device, float | None, Windows], AttentionBackend]] = {
     "torch": _torch, "triton": _triton, "flashinfer": _flashinfer}
 NAMES = ("auto", *BACKENDS)  # what attention_backend and decode_attention_backend accept
 
@@ -133,28 +140,31 @@ def check_names(name: str, decode_name: str) -> None:
 
 
 def resolve(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-            head_dim: int) -> tuple[str, str]:
+            head_dim: int, windowed: bool = False) -> tuple[str, str]:
     """The concrete (prefill, decode) names for a KV pool of this dtype and head size on this
-    device: "auto" as the module docstring says, other names kept."""
+    device, for a model with (`windowed`) or without sliding-window layers: "auto" as the module
+    docstring says (never flashinfer for a windowed model), other names kept."""
     check_names(name, decode_name)
     cuda = _cuda(device)
     if name == "auto":
         from hicache.kernels import flashinfer
 
-        name = "flashinfer" if cuda and flashinfer.available() and flashinfer.supports(dtype, head_dim) else (
-            "triton" if cuda else "torch")
+        fits = cuda and not windowed and flashinfer.available() and flashinfer.supports(dtype, head_dim)
+        name = "flashinfer" if fits else ("triton" if cuda else "torch")
         if decode_name == "auto":
             decode_name = "triton" if cuda else "torch"
     return name, name if decode_name == "auto" else decode_name
 
 
 def make_attention(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-                   head_dim: int) -> AttentionBackend:
-    """The backend for a model on `device` whose KV pool holds `dtype` and heads of `head_dim`:
-    the one backend `resolve` names, or a `SplitAttention` when prefill and decode differ.
+                   head_dim: int, scale: float | None = None, windows: Windows = ()) -> AttentionBackend:
+    """The backend for a model on `device` whose KV pool holds `dtype` and heads of `head_dim`,
+    attending with `scale` (None: head_dim**-0.5) and per-layer sliding `windows`: the one
+    backend `resolve` names, or a `SplitAttention` when prefill and decode differ.
     ValueError for unknown names, and for a backend that cannot run here."""
-    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim)
-    prefill = BACKENDS[prefill_name](head_dim, device)
+    windows = windows if any(windows) else ()
+    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows))
+    prefill = BACKENDS[prefill_name](head_dim, device, scale, windows)
     if decode_name == prefill_name:
         return prefill
-    return SplitAttention(prefill, BACKENDS[decode_name](head_dim, device))
+    return SplitAttention(prefill, BACKENDS[decode_name](head_dim, device, scale, windows))

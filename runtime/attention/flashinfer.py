@@ -22,9 +22,9 @@ class FlashInferAttention:
 
     graphs = True
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, scale: float | None = None):
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self._workspace: torch.Tensor | None = None
         self._graph_buffers = None
         self._kernels = None  # the wrapper of passes outside graphs

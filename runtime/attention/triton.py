@@ -21,8 +21,9 @@ class TritonAttention:
 
     graphs = True
 
-    def __init__(self, head_dim: int):
-        self.scale = head_dim ** -0.5
+    def __init__(self, head_dim: int, scale: float | None = None, windows: tuple = ()):
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.windows = windows  # per layer: sliding window or None; () for none
         self._num_sms: int | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -30,11 +31,13 @@ class TritonAttention:
         k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
         store.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         batch.wait_layer(layer_id)  # this layer's load-back from L2, if one is in flight (no host sync)
+        window = self.windows[layer_id] if self.windows else None
         if batch.mode == "decode":
             return decode.decode_attention(q, k_buf, v_buf, batch.req_to_token, batch.req_rows, batch.seq_lens,
-                                           self.scale, self.num_splits(batch, k_buf))
+                                           self.scale, self.num_splits(batch, k_buf), window=window)
         return extend.extend_attention(q, k_buf, v_buf, batch.req_to_token, batch.req_rows, batch.prefix_lens,
-                                       batch.extend_lens_dev, batch.q_starts, batch.max_extend, self.scale)
+                                       batch.extend_lens_dev, batch.q_starts, batch.max_extend, self.scale,
+                                       window=window)
 
     def num_splits(self, batch: ForwardBatch, k_buf: torch.Tensor) -> int:
         if batch.graph_state is not None:  # fixed when captured in a CUDA graph

@@ -1,4 +1,4 @@
-"""Llama-family decoder: Llama 2/3/3.1, Mistral without sliding window, SmolLM2, Qwen2/2.5, Qwen3,
+"""Llama-family decoder: Llama 2/3/3.1, Mistral (sliding window in the attention backend), SmolLM2, Qwen2/2.5, Qwen3,
 and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral.
 
 Our own implementation: RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), GQA attention

@@ -14,7 +14,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from hicache.runtime.default_model import default_model_path
+from hicache.runtime.default_model import resolve_model_path
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models import LlamaForCausalLM, get_model_class
 from hicache.runtime.tokenizer import load_tokenizer
@@ -43,7 +43,7 @@ def load_model(model_path: str | Path | None = None, load_format: str = "auto",
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    path = default_model_path() if model_path is None else Path(model_path).expanduser()
+    path = resolve_model_path(model_path)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     fmt = detect_format(path) if load_format == "auto" else load_format

@@ -24,12 +24,12 @@ def dummy_config(path: str | Path, seed: int) -> ModelConfig:
 
 @torch.no_grad()
 def init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Fill matrices and biases with N(0, INIT_STD); norm weights stay 1. Parameters are visited
-    in registration order (a tied lm_head only once)."""
+    """Fill matrices and biases with N(0, INIT_STD); norm weights get the model's `NORM_INIT`
+    (default 1: a unit scale). Parameters are visited in registration order (a tied lm_head only once)."""
     gen = torch.Generator(device=model.device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() >= 2 or name.endswith("bias"):
             p.normal_(0.0, INIT_STD, generator=gen)
         else:
-            p.fill_(1.0)
+            p.fill_(getattr(model, "NORM_INIT", 1.0))

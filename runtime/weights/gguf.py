@@ -27,9 +27,12 @@ import torch
 from hicache.runtime.model_config import ModelConfig
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
 SUPPORTED_GGUF_ARCHS = tuple(_ARCHITECTURES)
-_PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter
+_PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter (see `_unpermute`)
+# Gemma's converter stores norm weights plus one (llama.cpp's RMSNorm scales by the weight alone)
+_NORM_OFFSETS = {"gemma3": 1.0}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,6 +63,12 @@ _LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+_ARCH_LAYER_NAMES = {"gemma3": {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _PREFETCH = 8  # tensors dequantised ahead of the consumer
@@ -72,16 +81,17 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self.reader = GGUFFile(self.path)
         self.config = gguf_config(self.reader, name=self.path.stem)
-        self.permuted = _field(self.reader, "general.architecture") in _PERMUTED_ARCHS
+        self.arch = _field(self.reader, "general.architecture")
+        self.permuted = self.arch in _PERMUTED_ARCHS
 
     @property
     def num_tensors(self) -> int:
-        return sum(1 for t in self.reader.tensors if hf_name(t.name) is not None)
+        return sum(1 for t in self.reader.tensors if hf_name(t.name, self.arch) is not None)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantised in a few threads (numpy releases the GIL), at most `_PREFETCH` ahead so
         that memory stays bounded for large files; yielded in file order."""
-        todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name)) is not None]
+        todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name, self.arch)) is not None]
         workers = max(1, min(4, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
             pending: deque = deque()
@@ -103,18 +113,21 @@ class GGUFCheckpoint:
             w = _unpermute(w, self.config.num_heads)
         elif self.permuted and name.endswith("k_proj.weight"):
             w = _unpermute(w, self.config.num_kv_heads)
+        elif self.arch in _NORM_OFFSETS and name.endswith("norm.weight"):
+            w = w - _NORM_OFFSETS[self.arch]
         elif name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # stored as a vector
         return name, w
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF parameter name of a GGUF tensor, or None for tensors we do not load (rope_freqs, ...)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = _BLK_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e:  # older Mixtral files: one tensor per expert
         return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
@@ -162,6 +175,9 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
         **_moe_keys(arch, get, tensor_names),
     }
+    if arch == "gemma3":  # head size is key_length; the layer pattern and local RoPE base are HF's defaults
+        d.update(head_dim=get("attention.key_length"), sliding_window=get("attention.sliding_window"),
+                 rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6))
     return ModelConfig.from_hf_config(d, name=name)
 
 

@@ -1,4 +1,4 @@
-"""Golden reference outputs of HF transformers on the default GGUF (see `regenerate.py`)."""
+"""Golden reference outputs of HF transformers on packaged GGUFs (see `regenerate.py`)."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,16 @@ HERE = Path(__file__).resolve().parent
 
 
 @lru_cache(maxsize=None)
-def load_golden(name: str) -> dict:
-    """The parsed `tests/golden/<name>.json`; refuses one made on other weights than the default GGUF."""
-    from hicache.runtime.default_model import FILE_NAME, FILE_SHA256
+def load_golden(name: str, model: str = "smollm2-135m") -> dict:
+    """The parsed `tests/golden/<name>.json`; refuses one made on other weights than the packaged
+    `model` (a name of `hicache.runtime.default_model.PACKAGED_MODELS`)."""
+    from hicache.runtime.default_model import PACKAGED_MODELS
 
+    want = PACKAGED_MODELS[model]
     data = json.loads((HERE / f"{name}.json").read_text())
-    if data["model"] != {"file": FILE_NAME, "sha256": FILE_SHA256}:
-        raise AssertionError(f"tests/golden/{name}.json was made on {data['model']}, not the default "
-                             f"model {FILE_NAME}: run `make golden`")
+    if data["model"] != {"file": want.file_name, "sha256": want.sha256}:
+        raise AssertionError(f"tests/golden/{name}.json was made on {data['model']}, not "
+                             f"{want.file_name}: run `make golden`")
     return data
 
 

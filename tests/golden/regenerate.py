@@ -1,4 +1,4 @@
-"""Regenerates the golden reference outputs: HF transformers' greedy tokens on the default GGUF.
+"""Regenerates the golden reference outputs: HF transformers' greedy tokens on packaged GGUFs.
 
 The oracle of the end-to-end tests is HF transformers running the same weights (SmolLM2-135M-Instruct
 Q4_1, the GGUF the tests fetch into `$HICACHE_HOME/models`), fp32 on CPU. Decoding with it takes
@@ -23,6 +23,9 @@ Files:
   `json.decoder`, `threading` and `inspect` sources), each turn answered with 8 greedy tokens and
   the answer kept in the history of the next turn; `cases[c]["turns"][t]` is turn t's user tokens,
   `cases[c]["answers"][t]` HF's answer.
+- `gemma3.json` (on Gemma 3 270M Q4_K_M, `--model-path gemma3-270m`): 8 prompts of 6 to 2,000
+  tokens from the stdlib's `json.decoder` and `threading` sources, most past its 512-token
+  sliding window, two sharing a 900-token prefix, 32 new tokens each, each decoded alone.
 - `logits.json`: a summary of HF's logits over whole prompts (one forward each), per position the
   top 3 token ids, their logits and the logsumexp over the vocabulary, for `short`, `chat`, `code`,
   `long` (1,500 tokens; tests/runtime/test_model.py) and `paged` (1,000 tokens of `threading`'s
@@ -50,13 +53,13 @@ PARITY_NEW = 64
 SYSTEM, TURN, ANSWER, CONVERSATIONS, TURNS = 48, 64, 8, 20, 6
 
 
-def load_hf():
-    """(model, tokenizer) from HF transformers on the default GGUF, fp32, eval mode."""
+def load_hf(model_name: str = "smollm2-135m"):
+    """(model, tokenizer) from HF transformers on a packaged GGUF, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hicache.runtime.default_model import default_model_path
+    from hicache.runtime.default_model import resolve_model_path
 
-    path = default_model_path()
+    path = resolve_model_path(model_name)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tok
@@ -97,6 +100,26 @@ def make_parity(model, tok) -> dict:
         out, margins = greedy(model, ids, PARITY_NEW)
         cases.append({"prompt": ids, "output": out, "margins": margins})
     return {"new_tokens": PARITY_NEW, "cases": cases}
+
+
+GEMMA3_NEW = 32
+
+
+def gemma3_prompts(tok) -> list[list[int]]:
+    """6 prompts of 6 to 2,000 tokens, then 2 sharing a 900-token prefix with tails of 100 and 700."""
+    corpus = source_tokens(tok, (json.decoder, threading), 60_000)
+    assert len(corpus) > 6000
+    solo = [corpus[331 * i: 331 * i + n] for i, n in enumerate((6, 300, 511, 700, 1300, 2000))]
+    shared = corpus[3000:3900]
+    return solo + [shared + corpus[4000:4100], shared + corpus[4200:4900]]
+
+
+def make_gemma3(model, tok) -> dict:
+    cases = []
+    for ids in gemma3_prompts(tok):
+        out, margins = greedy(model, ids, GEMMA3_NEW)
+        cases.append({"prompt": ids, "output": out, "margins": margins})
+    return {"new_tokens": GEMMA3_NEW, "cases": cases}
 
 
 def make_multiturn(model, tok) -> dict:
@@ -153,22 +176,27 @@ def make_logits(model, tok) -> dict:
                                   for name, ids in logits_prompts(tok).items()]}
 
 
-SETS: dict[str, Callable] = {"parity": make_parity, "multiturn": make_multiturn, "logits": make_logits}
+# name -> (the packaged model it runs on, its maker)
+SETS: dict[str, tuple[str, Callable]] = {"parity": ("smollm2-135m", make_parity),
+                                         "multiturn": ("smollm2-135m", make_multiturn),
+                                         "logits": ("smollm2-135m", make_logits),
+                                         "gemma3": ("gemma3-270m", make_gemma3)}
 
 
-def header() -> dict:
+def header(model_name: str) -> dict:
     import transformers
 
-    from hicache.runtime.default_model import FILE_NAME, FILE_SHA256
+    from hicache.runtime.default_model import PACKAGED_MODELS
 
-    return {"model": {"file": FILE_NAME, "sha256": FILE_SHA256},
+    model = PACKAGED_MODELS[model_name]
+    return {"model": {"file": model.file_name, "sha256": model.sha256},
             "generator": {"transformers": transformers.__version__, "torch": torch.__version__}}
 
 
 def write(name: str, content: dict) -> Path:
     """One case per line: diffs stay readable and the file stays small."""
     path = HERE / f"{name}.json"
-    body = {**header(), **{k: v for k, v in content.items() if k != "cases"}}
+    body = {**header(SETS[name][0]), **{k: v for k, v in content.items() if k != "cases"}}
     lines = [json.dumps(body)[:-1] + ', "cases": [']
     lines += [json.dumps(c, separators=(",", ":")) + ("," if i < len(content["cases"]) - 1 else "")
               for i, c in enumerate(content["cases"])]
@@ -182,9 +210,10 @@ def main(names: list[str]) -> None:
     if unknown:
         raise SystemExit(f"unknown golden set(s) {sorted(unknown)}; known: {sorted(SETS)}")
     torch.manual_seed(0)
-    model, tok = load_hf()
-    for name in names or SETS:
-        print(f"{name}: {write(name, SETS[name](model, tok))}")
+    for model_name in dict.fromkeys(SETS[n][0] for n in names or SETS):
+        model, tok = load_hf(model_name)
+        for name in [n for n in names or SETS if SETS[n][0] == model_name]:
+            print(f"{name}: {write(name, SETS[name][1](model, tok))}")
 
 
 if __name__ == "__main__":

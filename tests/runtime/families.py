@@ -74,7 +74,10 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, tokenizer_from: Pa
                        ("attention.key_length", getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads),
                        ("vocab_size", c.vocab_size)):
         w.add_uint32(f"{arch}.{key}", value)
-    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3 nests its global layers'
+    w.add_float32(f"{arch}.rope.freq_base", float(rope["rope_theta"]))
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
     if experts:
@@ -114,11 +117,16 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "mlp.experts.down_proj": "ffn_down_exps.weight", "mlp.shared_expert_gate.weight":
                "ffn_gate_inp_shexp.weight"}
 _PROJ = {"gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+_GEMMA3_NORMS = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+                 "post_attention_norm.weight", "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 
 def _gguf_tensors(model: torch.nn.Module, arch: str):
+    """llama.cpp's names; Gemma's norm weights stored plus one, as its converter does."""
     c = model.config
     for name, t in model.state_dict().items():
+        t = t + 1.0 if arch == "gemma3" and name.endswith("norm.weight") else t
         if name == "lm_head.weight":
             if not c.tie_word_embeddings:
                 yield "output.weight", t
@@ -132,7 +140,9 @@ def _gguf_tensors(model: torch.nn.Module, arch: str):
 
 
 def _layer_tensor(rest: str, t: torch.Tensor, c, arch: str):
-    if rest in _GGUF_NAMES and not (rest == "mlp.experts.down_proj" and arch == "llama"):
+    if arch == "gemma3" and rest in _GEMMA3_NORMS:
+        yield _GEMMA3_NORMS[rest], t
+    elif rest in _GGUF_NAMES and not (rest == "mlp.experts.down_proj" and arch == "llama"):
         yield _GGUF_NAMES[rest], t.reshape(-1) if rest.endswith("shared_expert_gate.weight") else t
     elif rest.startswith("self_attn.") and rest[10] in "qkv" and rest[11:17] == "_proj.":
         p, suffix = rest[10], rest[17:]

@@ -56,8 +56,9 @@ def default_engine(default_model_path):
         yield engine
 
 
-def test_sixteen_prompts_together_match_hf(default_engine):
-    assert_outputs_equal(generate_ids(default_engine, PROMPTS, NEW_TOKENS), CASES, NEW_TOKENS)
+@pytest.mark.parametrize("new_tokens", [24, pytest.param(NEW_TOKENS, id="all-tokens", marks=pytest.mark.slow)])
+def test_sixteen_prompts_together_match_hf(default_engine, new_tokens):
+    assert_outputs_equal(generate_ids(default_engine, PROMPTS, new_tokens), CASES, new_tokens)
     default_engine.check_integrity()
 
 

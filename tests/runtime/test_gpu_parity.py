@@ -19,7 +19,7 @@ import torch
 from hicache import Engine
 from hicache.kernels import flashinfer
 from hicache.runtime.attention import SplitAttention
-from hicache.runtime.default_model import FILE_NAME, hicache_home
+from hicache.runtime.default_model import SMOLLM2, hicache_home
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TritonAttention = pytest.importorskip("hicache.runtime.attention.triton").TritonAttention  # imports triton
@@ -66,13 +66,13 @@ def check_tiers(first: list[dict], again: list[dict], prefix: int) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = hicache_home() / "models" / FILE_NAME
+    path = hicache_home() / "models" / SMOLLM2.file_name
     if not path.exists():
         pytest.skip("the default GGUF is not in the cache folder (and no registry may be reachable)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=FILE_NAME)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=FILE_NAME, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=SMOLLM2.file_name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=SMOLLM2.file_name, dtype=torch.float32).eval()
     return path, model, tok
 
 

@@ -428,11 +428,11 @@ VARIANT_TURNS = [4, pytest.param(TURNS, marks=pytest.mark.slow, id="all-turns")]
 @pytest.mark.model
 @pytest.mark.parametrize("options", [
     pytest.param({"hicache_write_policy": "write_through_selective", "hicache_mem_layout": "page_first"},
-                 id="selective-page_first"),
+                 id="selective-page_first", marks=pytest.mark.slow),
     pytest.param({"hicache_write_policy": "write_back", "hicache_mem_layout": "layer_first"},
                  id="write_back-layer_first"),
     pytest.param({"hicache_write_policy": "write_through", "hicache_mem_layout": "page_first", "page_size": 8},
-                 id="write_through-page_first-page8"),
+                 id="write_through-page_first-page8", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("turns", VARIANT_TURNS)
 def test_multi_turn_each_policy_and_layout(default_model_path, options, turns):

@@ -182,7 +182,7 @@ def test_fingerprint_stable_and_distinct(llama31_config_path):
     ({"attention_bias": True}, "bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type"),
-    ({"sliding_window": 4096}, "sliding"),
+    ({"attn_logit_softcapping": 50.0}, "softcapping"),
 ])
 def test_model_config_rejects_unsupported(llama31_config_path, change, match):
     d = json.loads(llama31_config_path.read_text())

@@ -1,10 +1,11 @@
 """The session-scoped `server` fixture: one real server with a small KV pool and page size 16 that
-every module using it shares (test_server_openai.py, test_server_native.py, test_server_anthropic.py,
-test_server_ollama.py): their tests neither depend on a fresh server nor leave it unusable. It
-starts without the warm-up request (`--skip-server-warmup`) and answers to a second model name
-(`server_harness.ALIAS`), and `server_start` keeps its state at start-up for the test of that flag
-(test_server_lifecycle.py); the servers tests start themselves warm up. Tests that need other
-flags, or stop or kill their server, start their own (server_harness.start_server)."""
+every module using it shares (test_server_openai.py, test_server_native.py, test_server_tools.py,
+test_server_anthropic*.py, test_server_ollama*.py, ...): their tests neither depend on a fresh
+server nor leave it unusable. It starts without the warm-up request (`--skip-server-warmup`) and
+answers to a second model name (`server_harness.ALIAS`), and `server_start` keeps its state at
+start-up for the test of that flag (test_server_lifecycle.py); the servers tests start themselves
+warm up. Tests that need other flags, or stop or kill their server, start their own
+(server_harness.start_server)."""
 from __future__ import annotations
 
 import pytest

@@ -19,7 +19,7 @@ MESSAGES = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
 OLLAMA = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-def _refuse(_messages):
+def _refuse(_messages, _tools=None):
     raise ValueError("no template here")
 
 

@@ -233,6 +233,9 @@ TYPES_AND_VALUES = [
     Case("stream_options unknown field", "POST", CHAT, chat(stream_options={"x": 1}), param="stream_options.x"),
     Case("completions best_of", "POST", CMPL, cmpl(best_of=2), param="best_of"),
     Case("generate unknown field", "POST", GEN, gen(lora_path="x"), param="lora_path"),
+    Case("router field asking for more", "POST", GEN, gen(return_hidden_states=True), param="return_hidden_states"),
+    Case("chat continue_final_message", "POST", CHAT, chat(continue_final_message=True),
+         param="continue_final_message"),
     Case("temperature a word", "POST", CHAT, chat(temperature="hot"), param="temperature"),
     Case("temperature -1", "POST", CHAT, chat(temperature=-1), param="temperature"),
     Case("top_p 0", "POST", CMPL, cmpl(top_p=0), param="top_p"),
@@ -444,6 +447,20 @@ def test_null_means_the_default(http, before):
                               "temperature": None, "echo": None, "best_of": None})  # null asks for nothing
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 16 and len(r.json()["choices"]) == 1
+
+
+def test_the_fields_sglang_router_adds_are_accepted(http, before):
+    """The bodies SGLang's router forwards (its defaults added to what the client sent)."""
+    common = {"return_hidden_states": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True}
+    bodies = {GEN: {"text": "Hi", "model": None, "sampling_params": {"max_new_tokens": 2}, "stream": False,
+                    "return_text_in_logprobs": False, "log_metrics": True, "return_hidden_states": False,
+                    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False},
+              CHAT: {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "logprobs": False,
+                     "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True, **common},
+              CMPL: {"prompt": "Hi", "max_tokens": 2, "echo": False, **common}}
+    for route, body in bodies.items():
+        r = http.post(route, json=body)
+        assert r.status_code == 200, (route, r.text)
 
 
 def test_still_serving_the_same_answers(server, http, before):

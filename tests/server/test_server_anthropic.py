@@ -83,10 +83,6 @@ def test_text_blocks_and_an_assistant_prefill(client):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
-    ({"extra_body": {"tool_choice": {"type": "auto"}}}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
-     "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
      "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": []}]}]},

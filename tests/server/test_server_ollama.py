@@ -79,7 +79,7 @@ def test_tags_show_version(client, server):
     names = [m.model for m in client.list().models]
     assert names == [MODEL_NAME, ALIAS]
     shown = client.show(ALIAS)
-    assert shown.capabilities == ["completion"] and shown.modelinfo["llama.context_length"] > 0
+    assert shown.capabilities == ["completion", "tools"] and shown.modelinfo["llama.context_length"] > 0
     assert shown.template  # the chat template
     assert httpx.get(server.url + "/api/version").json()["version"]
 
@@ -89,9 +89,7 @@ def test_tags_show_version(client, server):
     ({"options": {"num_ctx": 4}}, "options.num_ctx"),
     ({"options": {"temperature": -1}}, "options.temperature"),
     ({"options": {"num_predict": 100_000}}, "This model's maximum context length"),
-    ({"format": "json"}, "format"),
     ({"think": True}, "think"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
 ])
 def test_bad_requests_are_ollama_400s(client, kw, param):
     with pytest.raises(ollama.ResponseError) as e:

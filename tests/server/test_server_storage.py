@@ -167,3 +167,42 @@ def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys)
         a.stop()
         if b is not None:
             b.stop()
+
+
+@pytest.mark.slow  # the backend's own tests (tests/tiers/test_remote.py) run in the default suite
+def test_two_servers_share_mooncake_and_survive_its_master_going_away(mooncake_master):
+    """The second server serves from Mooncake what the first computed (pages striped over both
+    servers' segments), identical greedy outputs; the master killed mid-run: requests go on as
+    misses, errors counted; back (empty): storage resumes."""
+    flags = storage_flags("mooncake", **mooncake_master.options)
+    a = start_server(*flags)
+    b = None
+    try:
+        b = start_server(*flags)
+        p, q = TURNS[0], TURNS[1] * 3
+        on_a = generate(a, p)
+        settle(a)
+        on_b = generate(b, p)
+        assert on_b["output_ids"] == on_a["output_ids"]
+        assert on_b["meta_info"]["cached_tokens_details"]["storage"] >= 64
+
+        reference_q = generate(a, q)
+        mooncake_master.stop()  # killed mid-run
+        again = generate(b, q)
+        assert again["output_ids"] == reference_q["output_ids"]
+        assert again["meta_info"]["cached_tokens_details"]["storage"] == 0
+        wait_for(lambda: health_storage(b).startswith("degraded"))
+        assert storage_stats(b)["errors"] > 0
+
+        mooncake_master.start()
+        wait_for(lambda: health_storage(b) == "ok")
+        r = TURNS[2] * 3
+        on_b = generate(b, r)
+        settle(b)
+        on_a = generate(a, r)
+        assert on_a["output_ids"] == on_b["output_ids"]
+        assert on_a["meta_info"]["cached_tokens_details"]["storage"] >= 64
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

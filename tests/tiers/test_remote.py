@@ -1,4 +1,4 @@
-"""L3 backends (memory, LMDB, a real Redis), value framing and the I/O worker over a host pool.
+"""L3 backends (memory, LMDB, a real Redis, a real Mooncake master), value framing and the I/O worker over a host pool.
 
 Framing binds a value to its full storage key and, with a secret, MACs it: a value under another
 key, namespace or key prefix, of an old format version, with a flipped byte, without a MAC or with
@@ -7,7 +7,8 @@ into counted misses; then what is particular to each: LMDB survives a reopen, ev
 recently used pages past its size cap, survives a full map, and turns a flipped byte into a counted
 miss; Redis rejects a value a raw client copied to another key, and a forged one under a secret;
 Redis down at start-up is degraded and resumes when it returns, and so does an LMDB path that
-cannot be opened (the worker counts misses, one warning).
+cannot be opened (the worker counts misses, one warning), and a Mooncake master that is down at
+start-up or killed under a running client.
 """
 from __future__ import annotations
 
@@ -47,14 +48,28 @@ def lmdb_backend(path, **kw):
     return make_backend("lmdb", NS, path=str(path), **kw)
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
+@pytest.fixture(params=["memory", "lmdb", "redis", "mooncake"])
 def backend(request, tmp_path):
     if request.param == "memory":
         b = make_backend("memory", NS)
     elif request.param == "lmdb":
         b = lmdb_backend(tmp_path / "lmdb", size_cap_gb=0.01)
-    else:
+    elif request.param == "redis":
         b = make_backend("redis", NS, url=request.getfixturevalue("redis_server").url)
+    else:  # one client for the module (closing one takes seconds), emptied and reset for each test
+        b = request.getfixturevalue("mooncake_backend")
+        b.clear()
+        b._counters.clear()
+        b._secret = None
+        yield b
+        return
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake_backend(mooncake_master):
+    b = make_backend("mooncake", NS, **mooncake_master.options)
     yield b
     b.close()
 
@@ -228,6 +243,8 @@ class RawStore:
             import redis
 
             self.client = redis.Redis.from_url(backend.url)
+        if backend.name == "mooncake":
+            self.client = backend._store
 
     def get(self, key: bytes) -> bytes:
         b = self.backend
@@ -235,6 +252,8 @@ class RawStore:
             return b._data[key.decode()]
         if b.name == "redis":
             return self.client.get(key)
+        if b.name == "mooncake":
+            return self.client.get(key.decode())
         with b._env.env.begin(db=b._env.pages) as txn:
             return txn.get(key)
 
@@ -244,6 +263,8 @@ class RawStore:
             b._data[key.decode()] = value
         elif b.name == "redis":
             self.client.set(key, value)
+        elif b.name == "mooncake":
+            assert self.client.upsert(key.decode(), value) == 0
         else:
             with b._env.env.begin(write=True, db=b._env.pages) as txn:
                 txn.put(key, value)
@@ -287,6 +308,9 @@ def _same_store(backend) -> dict:
         return {"path": backend.path}
     if backend.name == "redis":
         return {"url": backend.url}
+    if backend.name == "mooncake":
+        return {"master": backend.master, "metadata_server": backend.metadata_server, "global_segment_mb": 16,
+                "local_buffer_mb": 16}
     return {}
 
 
@@ -359,6 +383,38 @@ def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
     assert s["map_full"] > 0 and s["evicted_pages"] > 0
     assert b.batch_exists(k[199:]) == 1  # the latest batch is stored
     b.close()
+
+
+# ---- Mooncake ---------------------------------------------------------------------------------
+
+
+def test_mooncake_down_at_start_and_killed_mid_run_is_degraded_then_resumes(mooncake_master, mooncake_backend):
+    """A client made while the master is down is degraded at once, and is set up on the probe once
+    the master is back (its writes, larger than its transfer buffer, go in several puts); the master killed under a running client: calls fail fast (the worker
+    counts them), the status says so, and the probe clears it when the master returns."""
+    from hicache.tiers.remote.backend import BackendUnavailable
+
+    mooncake_master.stop()
+    small = HEADER_SIZE + 2 * pages(1)[0].numel() * 4  # a transfer buffer that holds two pages: puts are split
+    late = make_backend("mooncake", NS, **{**mooncake_master.options, "local_buffer_mb": small / 2**20})
+    assert late.status().startswith(f"degraded: master {mooncake_master.options['master']}: ConnectionRefusedError")
+    with pytest.raises(BackendUnavailable):
+        late.batch_exists(keys(1))
+    with pytest.raises(BackendUnavailable):
+        mooncake_backend.batch_exists(keys(1))
+    assert mooncake_backend.status() == "degraded: master %s: the master does not answer (RPC_FAIL)" % (
+        mooncake_master.options["master"])
+    mooncake_master.start()  # back, empty
+    time.sleep(1.0)  # the set-up is retried at most once a second
+    for b in (late, mooncake_backend):
+        b.probe()
+        assert b.status() == "ok"
+    k, p = keys(3), pages(3)
+    assert late.batch_set(k, p) == 3
+    out = [torch.zeros(SHAPE) for _ in range(3)]
+    assert mooncake_backend.batch_get(k, out) == [True] * 3  # one client's pages through the other's
+    assert all(torch.equal(a, b) for a, b in zip(out, p))
+    late.close()
 
 
 # ---- Redis ------------------------------------------------------------------------------------

@@ -91,16 +91,19 @@ class HostTransferEngine:
     """
 
     def __init__(self, device_pool: DevicePool, host_pool, io_backend: str = "direct", layerwise: bool = True,
-                 load_ahead: int = 2, load_blocks: int = 16):
+                 load_ahead: int = 2, load_blocks: int = 16, window_layers: frozenset[int] = frozenset()):
         """`layerwise`: the compute stream waits for a load layer by layer (False: for the whole
         load at once); `load_ahead`: layers of a load queued ahead of the one waited for;
-        `load_blocks`: programs per layer and K/V of the gather kernel's loads."""
+        `load_blocks`: programs per layer and K/V of the gather kernel's loads; `window_layers`:
+        the sliding-window layers, which a load given `skip` copies only from its skip-th slot."""
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"hicache_io_backend must be one of {', '.join(IO_BACKENDS)}; got {io_backend!r}")
         if device_pool.num_layers != host_pool.num_layers:
             raise ValueError(f"device pool has {device_pool.num_layers} layers, host pool {host_pool.num_layers}")
         self.device_pool, self.host_pool, self.io_backend = device_pool, host_pool, io_backend
         self.layerwise, self.load_ahead, self.load_blocks = layerwise, load_ahead, load_blocks
+        self.window_layers = window_layers
+        self._skipped: dict[int, int] = {}  # ticket -> slots its windowed layers did not copy
         self.device = device_pool.k_buffer(0).device
         self._tickets = itertools.count(1)
         self._done: list[TransferResult] = []
@@ -144,25 +147,28 @@ class HostTransferEngine:
         return self._submit("backup", device_slots, host_slots, None)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
-             on_layer: Callable[[int], None] | None = None) -> int:
-        """Host -> device, layer by layer; `on_layer(i)` once layer i is copied (queued, on CUDA)."""
-        return self._submit("load", device_slots, host_slots, on_layer)
+             on_layer: Callable[[int], None] | None = None, skip: int = 0) -> int:
+        """Host -> device, layer by layer; `on_layer(i)` once layer i is copied (queued, on CUDA).
+        The windowed layers copy only slots [skip:] (their KV before is never read)."""
+        return self._submit("load", device_slots, host_slots, on_layer, skip if self.window_layers else 0)
 
-    def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer) -> int:
+    def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer, skip: int = 0) -> int:
         ticket, start = next(self._tickets), time.perf_counter()
+        if skip:
+            self._skipped[ticket] = skip
         n = int(device_slots.numel())
         try:
             if device_slots.shape != host_slots.shape:
                 raise ValueError(f"{kind}: {n} device slots but {host_slots.numel()} host slots")
             if self._streams is None:
-                steps, copy_step = self._copier(kind, device_slots, host_slots)
+                steps, copy_step = self._copier(kind, device_slots, host_slots, device_slots[skip:], host_slots[skip:])
                 for step in range(steps):
                     copy_step(step)
                     if on_layer is not None and kind == "load":
                         on_layer(step)
                 self._finish(ticket, kind, n, start, None)
             else:
-                self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start)
+                self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start, skip)
         except Exception as e:  # reported through poll(), never raised into the scheduler
             logger.warning("%s transfer %d failed: %r", kind, ticket, e)
             if self._streams is not None:  # copies queued before the failure still write its pages
@@ -170,7 +176,7 @@ class HostTransferEngine:
             self._finish(ticket, kind, n, start, repr(e))
         return ticket
 
-    def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start) -> None:
+    def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start, skip) -> None:
         if kind == "load" and self.layerwise:
             # Queued by start_loads (once the scheduler's plan is made) or the first wait_layer,
             # together with the other loads of that batch. It still comes after the compute queued
@@ -179,10 +185,10 @@ class HostTransferEngine:
             if after is None:
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device))
-            self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after)
+            self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after, skip)
             return
-        self._issue(kind, [(ticket, int(device_slots.numel()), start)], device_slots, host_slots, on_layer,
-                    None if self._fence is None else [self._fence])
+        self._issue(kind, [(ticket, int(device_slots.numel()), start)], (device_slots, host_slots,
+                    device_slots[skip:], host_slots[skip:]), on_layer, None if self._fence is None else [self._fence])
         if kind == "load":  # not layer-wise: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
@@ -195,22 +201,24 @@ class HostTransferEngine:
         if not self._deferred:
             return
         loads, self._deferred = self._deferred, {}
-        jobs = [(ticket, int(d.numel()), start) for ticket, (d, _, _, start, _) in loads.items()]
-        hooks = [on_layer for _, _, on_layer, _, _ in loads.values() if on_layer is not None]
+        jobs = [(ticket, int(d.numel()), start) for ticket, (d, _, _, start, _, _) in loads.items()]
+        hooks = [on_layer for _, _, on_layer, _, _, _ in loads.values() if on_layer is not None]
+        slots = (torch.cat([d for d, *_ in loads.values()]), torch.cat([h for _, h, *_ in loads.values()]),
+                 torch.cat([d[skip:] for d, *_, skip in loads.values()]),
+                 torch.cat([h[skip:] for _, h, *_, skip in loads.values()]))
         try:
-            self._issue("load", jobs, torch.cat([d for d, _, _, _, _ in loads.values()]),
-                        torch.cat([h for _, h, _, _, _ in loads.values()]),
-                        (lambda layer: [hook(layer) for hook in hooks]) if hooks else None,
-                        [after for _, _, _, _, after in loads.values()])
+            self._issue("load", jobs, slots, (lambda layer: [hook(layer) for hook in hooks]) if hooks else None,
+                        [after for _, _, _, _, after, _ in loads.values()])
         except Exception as e:  # reported through poll()
             logger.warning("load transfers %s failed: %r", [t for t, _, _ in jobs], e)
             torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
             for ticket, tokens, start in jobs:
                 self._finish(ticket, "load", tokens, start, repr(e))
 
-    def _issue(self, kind, jobs, device_slots, host_slots, on_layer, afters) -> None:
-        """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)], their slots
-        concatenated), after the compute stream's `afters` events (None: all compute queued so far).
+    def _issue(self, kind, jobs, slots, on_layer, afters) -> None:
+        """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)]; `slots`: their
+        device and host slots concatenated, then those the windowed layers copy), after the compute
+        stream's `afters` events (None: all compute queued so far).
         A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
         stream = self._streams[kind]
         if afters is None:
@@ -218,42 +226,51 @@ class HostTransferEngine:
         for after in afters or ():
             stream.wait_event(after)
         with torch.cuda.stream(stream):  # the slot indices go to the device on that stream, before its copies
-            steps, copy_step = self._copier(kind, device_slots, host_slots)
+            steps, copy_step = self._copier(kind, *slots)
         queued = _Queued(stream, steps, copy_step, on_layer if kind == "load" else None)
         queued.upto(self.load_ahead if kind == "load" and self.layerwise else steps - 1)
         for ticket, tokens, start in jobs:
             self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued)
 
-    def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor
-                ) -> tuple[int, Callable[[int], None]]:
-        """(steps, copy_step): a load copies layer i in step i; a backup copies every layer in
-        one step (one kernel launch or one driver call) where it can, else a step per layer."""
+    def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, window_device: torch.Tensor,
+                window_host: torch.Tensor) -> tuple[int, Callable[[int], None]]:
+        """(steps, copy_step): a load copies layer i in step i (a windowed layer: the window
+        slots); a backup copies every layer in one step (one kernel launch or one driver call)
+        where it can, else a step per layer."""
         dev, host, layers = self.device_pool, self.host_pool, self.device_pool.num_layers
         load = kind == "load"
+        windowed = load and window_device.numel() < device_slots.numel()
+        wins = self.window_layers if windowed else frozenset()
         if self._layers is not None:
             from hicache.kernels.transfer import copy_kv
 
             dslots, hslots = self._to_device(device_slots), self._to_device(host_slots)
+            wd, wh = (self._to_device(window_device), self._to_device(window_host)) if windowed else (dslots, hslots)
             if load:
-                return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots,
-                                                 range(i, i + 1), to_host=False, max_blocks=self.load_blocks)
+                return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, wh if i in wins else hslots,
+                                                 wd if i in wins else dslots, range(i, i + 1), to_host=False,
+                                                 max_blocks=self.load_blocks)
             return 1, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers),
                                         to_host=True)
         if self._batch is not None:
-            dsts, srcs, sizes = page_copies(host, [dev.k_buffer(i) for i in range(layers)],
-                                            [dev.v_buffer(i) for i in range(layers)], host_slots, device_slots,
-                                            range(layers), to_host=not load)
+            bufs = [dev.k_buffer(i) for i in range(layers)], [dev.v_buffer(i) for i in range(layers)]
+            dsts, srcs, sizes = page_copies(host, *bufs, host_slots, device_slots, range(layers), to_host=not load)
+            wdsts, wsrcs, wsizes = page_copies(host, *bufs, window_host, window_device, range(layers),
+                                               to_host=False) if windowed else (dsts, srcs, sizes)
             if load:  # [2, L, runs]: layer i's K and V runs in one call
-                return layers, lambda i: self._batch.copy(dsts[:, i], srcs[:, i], sizes[:, i], False,
-                                                          self._streams["load"])
+                def copy(i: int) -> None:
+                    d, src, size = (wdsts, wsrcs, wsizes) if i in wins else (dsts, srcs, sizes)
+                    self._batch.copy(d[:, i], src[:, i], size[:, i], False, self._streams["load"])
+                return layers, copy
             return 1, lambda i: self._batch.copy(dsts, srcs, sizes, True, self._streams["backup"])
-        dslots = self._to_device(device_slots)
+        dslots, wd = self._to_device(device_slots), self._to_device(window_device) if windowed else None
 
         def copy_layer(i: int) -> None:
             if load:
-                k, v = host.get_layer(i, host_slots)
-                dev.k_buffer(i)[dslots] = k.to(self.device, non_blocking=True)
-                dev.v_buffer(i)[dslots] = v.to(self.device, non_blocking=True)
+                d, h = (wd, window_host) if i in wins else (dslots, host_slots)
+                k, v = host.get_layer(i, h)
+                dev.k_buffer(i)[d] = k.to(self.device, non_blocking=True)
+                dev.v_buffer(i)[d] = v.to(self.device, non_blocking=True)
             else:
                 host.set_layer(i, host_slots, dev.k_buffer(i)[dslots], dev.v_buffer(i)[dslots])
         return layers, copy_layer
@@ -266,7 +283,9 @@ class HostTransferEngine:
         return slots.pin_memory().to(self.device, non_blocking=True)
 
     def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None) -> None:
-        nbytes = tokens * self.host_pool.bytes_per_token() if error is None else 0
+        per_layer = self.host_pool.bytes_per_token() // self.host_pool.num_layers
+        skipped = self._skipped.pop(ticket, 0) * len(self.window_layers) * per_layer
+        nbytes = tokens * self.host_pool.bytes_per_token() - skipped if error is None else 0
         self._done.append(TransferResult(ticket, kind, error is None, tokens, nbytes,
                                          time.perf_counter() - start, error))
 

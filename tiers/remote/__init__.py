@@ -2,7 +2,7 @@
 the host pool.
 
 `make_backend(name, namespace, secret, **options)` imports a backend's module (and its optional
-dependency: lmdb, redis) only when that backend is asked for, so `import hicache` needs neither.
+dependency: lmdb, redis, mooncake) only when that backend is asked for, so `import hicache` needs neither.
 Unknown options are a ValueError naming them.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ BACKENDS = {  # name -> "module:class"
     "lmdb": "hicache.tiers.remote.lmdb:LmdbBackend",
     "redis": "hicache.tiers.remote.redis:RedisBackend",
     "memory": "hicache.tiers.remote.memory:MemoryBackend",
+    "mooncake": "hicache.tiers.remote.mooncake:MooncakeBackend",
 }
 
 

@@ -1,0 +1,127 @@
+"""Gemma 3 and sliding windows, end to end on tiny random models built by HF transformers
+(`from_config`, saved as safetensors), fp32 on CPU: greedy outputs equal HF's, batched, with
+chunked prefill, retractions, radix hits and load-backs from L2 that skip the windowed layers'
+KV before the window (hicache/controller.py: load_back). Also Mistral's sliding window, and a
+tiny Gemma 3 written as a GGUF file.
+The real Gemma 3 270M GGUF is checked in test_gemma3_gguf.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_hicache_l2 import GREEDY, drain, request
+
+from families import write_gguf
+from golden.regenerate import greedy
+from hicache.config import HiCacheConfig
+from hicache.runtime.build import build_scheduler
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models import get_model_class
+from hicache.runtime.weights.gguf import GGUFCheckpoint
+
+WINDOW, VOCAB, NEW = 8, 512, 6
+
+
+def tiny_hf(kind: str, **options):
+    """A tiny HF model of `kind` with a sliding window of WINDOW tokens, weights scaled up from
+    HF's init so that the outputs depend on every part of the model."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+                  max_position_embeddings=1024, eos_token_id=1, bos_token_id=2) | options
+    cls = transformers.Gemma3TextConfig if kind == "gemma3" else transformers.MistralConfig
+    model = transformers.AutoModelForCausalLM.from_config(cls(**common), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if "norm" in name else 0.2)
+    return model
+
+
+def save_tiny(kind: str, folder):
+    options = dict(sliding_window_pattern=2, query_pre_attn_scalar=24, final_logit_softcapping=30.0)
+    model = tiny_hf(kind, **options if kind == "gemma3" else {})
+    model.save_pretrained(str(folder))
+    return model
+
+
+def scheduler(folder, **cache):
+    rc = RuntimeConfig(model_path=str(folder), max_total_tokens=96, max_running_requests=6,
+                       chunked_prefill_size=16, max_prefill_tokens=32)
+    return build_scheduler(rc, HiCacheConfig(page_size=4, hicache_ratio=8.0, hicache_storage_backend="none", **cache))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    return folder, save_tiny("gemma3", folder)
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def run(sched, batch: list[list[int]], tag: str) -> dict:
+    for i, p in enumerate(batch):
+        sched.add_request(request(f"{tag}{i}", p, dict(GREEDY, max_new_tokens=NEW)))
+    return drain(sched)
+
+
+def test_config_reads_layer_types_and_windows(gemma):
+    cfg = ModelConfig.from_json_file(gemma[0])
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.layer_windows == (WINDOW, None, WINDOW, None)
+    assert cfg.attn_scale == 24 ** -0.5 and cfg.final_logit_softcapping == 30.0 and cfg.rope_local_theta == 10000.0
+
+
+def test_batched_chunked_retracted_then_from_host_match_hf(gemma):
+    """Round 1: prompts past the window together in a small L1 (chunked prefill, retractions);
+    round 2: each prompt extended, its prefix served from the radix tree, loaded back from L2."""
+    folder, hf = gemma
+    first = prompts(1, (5, 20, 33, 40, 27, 12))
+    # each prompt extended, and two ending inside prefixes that others load back at the same time
+    second = [p + [7, 8, 9, 10, 11] for p in first] + [first[3][:21], first[2][:14] + [5]]
+    sched = scheduler(folder)
+    got1, got2 = run(sched, first, "a"), run(sched, second, "b")
+    for i, p in enumerate(first):
+        assert got1[f"a{i}"][0] == greedy(hf, p, NEW)[0], i
+    for i, p in enumerate(second):
+        assert got2[f"b{i}"][0] == greedy(hf, p, NEW)[0], i
+    stats = sched.stats()
+    host = stats["tiers"]["host"]
+    assert stats["retractions"] > 0 and host["loaded_back_tokens"] > 0, stats
+    assert sum(got2[f"b{i}"][1]["cached_tokens"] for i in range(len(first))) > 0
+    # the windowed layers skipped what no continuation reads: fewer bytes than whole tokens
+    assert host["loaded_back_bytes"] < host["loaded_back_tokens"] * host["bytes_per_token"], host
+
+
+def test_mistral_sliding_window_matches_hf(tmp_path):
+    hf = save_tiny("mistral", tmp_path)
+    assert ModelConfig.from_json_file(tmp_path).layer_windows == (WINDOW,) * 4
+    batch = prompts(2, (30, 11))
+    got = run(scheduler(tmp_path), batch, "m")
+    for i, p in enumerate(batch):
+        assert got[f"m{i}"][0] == greedy(hf, p, NEW)[0], i
+
+
+def test_gguf_loads_as_hf(tmp_path):
+    """The gemma3 GGUF loader (llama.cpp's names, norms stored plus one, q/k rows as HF's) on a
+    tiny model written as llama.cpp's converter lays it out: the same config and weights as from
+    HF's model (whose outputs the tests above check). A GGUF leaves out the layer pattern, local
+    RoPE base and attention scale: Gemma3TextConfig's defaults (1 global layer in 6)."""
+    hf = tiny_hf("gemma3", num_hidden_layers=6)
+    ckpt = GGUFCheckpoint(write_gguf(hf, tmp_path / "gemma3.gguf", "gemma3"))
+    want = ModelConfig.from_hf_config(hf.config.to_dict())
+    fields = ("architecture", "layer_windows", "attn_scale", "rope_theta", "rope_local_theta", "head_dim",
+              "hidden_act", "qk_norm", "final_logit_softcapping", "tie_word_embeddings")
+    assert [getattr(ckpt.config, f) for f in fields] == [getattr(want, f) for f in fields]
+    assert ckpt.config.layer_windows == (WINDOW,) * 5 + (None,)
+    assert ckpt.config.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # stored as float32
+    got, ref = get_model_class(ckpt.config.architecture)(ckpt.config), get_model_class(want.architecture)(want)
+    got.check_loaded(got.load_weights(ckpt.tensors()))
+    ref.check_loaded(ref.load_weights(hf.state_dict().items()))
+    for (name, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
