@@ -10,7 +10,9 @@ of at least `--new-tokens` objects with a bounded string, a bounded integer and 
 its grammar cannot end before the length limit and both runs emit the same number of tokens; the
 unconstrained run ignores EOS. After a warm-up (which also compiles the schema) the two runs
 alternate `--repeats` times; the best time of each counts. Prints both rates and constrained / unconstrained
-(target: >= 0.90), and appends a JSON line to `--out`.
+(target: >= 0.90), and appends a JSON line to `--out` (the machine: the GPU's name on a device; the
+commit: `--commit`, else git's HEAD, else "unknown"). `--profile` also prints, for each timed run,
+the scheduler thread's seconds in the parts of a step (wrappers around the calls named).
 
 Dummy weights come with no tokenizer: the script then copies the config into a temporary folder
 beside the default model's tokenizer (its 49152 ids; the model's other ids are never allowed by a
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from hicache import Engine
@@ -49,7 +52,42 @@ def with_default_tokenizer(config: str, folder: Path, tokenizer: str | None) -> 
     return str(folder / "config.json")
 
 
-def timed(engine: Engine, prompts: list[list[int]], runs: dict[str, dict], repeats: int) -> dict[str, tuple]:
+class StepProfile:
+    """Seconds and calls of the scheduler thread in the parts of a step, by wrapping them."""
+
+    def __init__(self):
+        from hicache.runtime import grammar, runner, scheduler
+
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        parts = {"step": (scheduler.Scheduler, "step"), "forward": (runner.ModelRunner, "forward"),
+                 "sample": (runner.ModelRunner, "sample"), "fill": (grammar, "_fill"),
+                 "sampler": (runner.Sampler, "launch"), "wait": (runner.PendingStep, "result"),
+                 "process": (scheduler.Scheduler, "process_result"), "accept": (grammar.RequestGrammar, "accept"),
+                 "launch": (runner.PendingStep, "launch"), "plan": (scheduler.Scheduler, "continue_decode")}
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+
+    def _wrap(self, name: str, fn):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+        return timed_call
+
+    def report(self, run: str) -> str:
+        """One line: each part's seconds (and calls), then reset."""
+        line = f"{run}: " + ", ".join(f"{k} {v:.3f} s ({self.calls[k]})" for k, v in self.seconds.items())
+        self.seconds.clear()
+        self.calls.clear()
+        return line
+
+
+def timed(engine: Engine, prompts: list[list[int]], runs: dict[str, dict], repeats: int,
+          profile: StepProfile | None = None) -> dict[str, tuple]:
     """name -> (best seconds, output tokens of one run). The runs alternate, so that a noisy
     machine slows both alike."""
     for params in runs.values():  # warm-up (and the schema's compilation)
@@ -57,9 +95,13 @@ def timed(engine: Engine, prompts: list[list[int]], runs: dict[str, dict], repea
     best = {name: (float("inf"), 0) for name in runs}
     for _ in range(repeats):
         for name, params in runs.items():
+            if profile is not None:
+                profile.report(name)
             t0 = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             took = time.perf_counter() - t0
+            if profile is not None:
+                print(f"{took:.3f} s, {profile.report(name)}")
             best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs))
     return best
 
@@ -75,29 +117,32 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "structured.jsonl"))
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD here, if any)")
+    ap.add_argument("--profile", action="store_true", help="print where the scheduler thread's time goes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path
         if args.load_format == "dummy":
             path = with_default_tokenizer(path, Path(tmp), args.tokenizer)
+        profile = StepProfile() if args.profile else None
         engine = Engine(path, load_format=args.load_format, disable_hierarchical_cache=True)
         try:
-            run(engine, args)
+            run(engine, args, profile)
         finally:
             engine.shutdown()
 
 
-def run(engine: Engine, args: argparse.Namespace) -> None:
+def run(engine: Engine, args: argparse.Namespace, profile: StepProfile | None) -> None:
     device = engine.scheduler.runner.device.type
     batch = args.batch or (64 if device == "cuda" else 8)
     vocab = engine.scheduler.model_config.vocab_size
     prompts = [[(17 + 31 * i + 7 * j) % min(vocab, 49152) for j in range(args.prompt_tokens)] for i in range(batch)]
     base = {"temperature": 0, "max_new_tokens": args.new_tokens}
     got = timed(engine, prompts, {"free": {**base, "ignore_eos": True},
-                                  "json": {**base, "json_schema": schema(args.new_tokens)}}, args.repeats)
+                                  "json": {**base, "json_schema": schema(args.new_tokens)}}, args.repeats, profile)
     (free_s, free_tokens), (json_s, json_tokens) = got["free"], got["json"]
     free_rate, json_rate = free_tokens / free_s, json_tokens / json_s
-    row = {"device": device, "machine": platform.node(), "commit": _commit(), "batch": batch,
+    row = {"device": device, "machine": _machine(device), "commit": args.commit or _commit(), "batch": batch,
            "new_tokens": args.new_tokens, "unconstrained_tok_s": round(free_rate, 1),
            "json_schema_tok_s": round(json_rate, 1), "ratio": round(json_rate / free_rate, 3),
            "tokens": [free_tokens, json_tokens]}
@@ -108,12 +153,25 @@ def run(engine: Engine, args: argparse.Namespace) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _machine(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return platform.node()
+
+
 def _commit() -> str:
+    """git's short HEAD when this file lies in a checkout of its own repository, else "unknown"."""
+    here = Path(__file__).resolve().parent
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=here)
+        if top.returncode != 0 or Path(top.stdout.strip()) != here.parent:
+            return "unknown"
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+                              cwd=here).stdout.strip() or "unknown"
     except OSError:
-        return ""
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 - `check_grammar(kind, text)` parses a grammar without a tokenizer (milliseconds): the front end
   calls it through `SamplingParams.from_dict`, so a bad schema, regex or EBNF is a 400 naming the
   field before anything is queued.
-- `GrammarCompiler` belongs to the scheduler. It compiles for the model's tokenizer on a small
+- `GrammarCompiler` belongs to the scheduler. It advances a step's matchers together (`accept`),
+  and compiles for the model's tokenizer on a small
   thread pool, so that the scheduler thread never waits for a compilation: a request stays in the
   queue until its grammar is ready, while the others keep running. Compiled grammars are cached by
   (kind, text) in an LRU (the futures themselves: requests that arrive together share one
@@ -12,9 +13,14 @@
   tokens (`Scheduler.process_result` advances it as it appends a token; `sync` rolls it back to the
   outputs the request keeps when it is retracted).
 - `fill_bitmask` writes the allowed next tokens of a batch into an int32 bitmask on the host
-  (bit j of word w: token 32 w + j). The model runner calls it after the forward pass is queued,
-  so on a device the host fills the mask while the pass runs; `runtime/constraint.py` applies it
-  to the logits in the sampler, outside any CUDA graph.
+  (bit j of word w: token 32 w + j), the rows on `FILL_THREADS` threads of XGrammar's: a row of a
+  JSON schema over a large vocabulary costs a fraction of a millisecond, too much to fill a large
+  batch's rows one after another inside a decode step. `BitmaskFiller` (the model runner's) runs it
+  on a thread of its own (XGrammar's C++ releases the GIL), so that the scheduler thread goes on
+  meanwhile: the runner starts the fill after the forward pass is queued and queues the sampling
+  only when the next step needs it (`runtime/runner.py: PendingStep`), so that the fill overlaps
+  the pass on the device and the planning of the next step on the host. `runtime/constraint.py`
+  applies the mask to the logits in the sampler, outside any CUDA graph.
 
 Stop tokens (the model's EOS ids) are allowed only where the grammar may end; a matcher that has
 accepted one is terminated, and the request finishes (`runtime/stop.py`).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -33,6 +40,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
+# threads that fill a batch's bitmask rows, or advance its matchers: half the cores this process
+# may use, at most 16
+FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
+ACCEPT_CHUNK = 8  # matchers a thread advances at least
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
@@ -92,6 +103,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
         self._tokenizer, self._vocab, self._stops = tokenizer, vocab_size, list(stop_token_ids)
         self._pool: ThreadPoolExecutor | None = None
+        self._accept_pool: ThreadPoolExecutor | None = None  # `accept`'s
         self._compiler = None  # xgrammar.GrammarCompiler, built by the first compilation
         self._lock = threading.Lock()  # guards building _compiler
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -127,9 +139,31 @@ class GrammarCompiler:
         compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar}[kind]
         return compile_fn(text)
 
+    def accept(self, pairs: Sequence[tuple[RequestGrammar, int]]) -> None:
+        """`RequestGrammar.accept` of each (grammar, token) pair: XGrammar's batch accept, on up to
+        `FILL_THREADS` threads (its C++ releases the GIL) for a large batch."""
+        import xgrammar as xgr
+
+        live = [(g, t) for g, t in pairs if not g.rejected]
+        matchers, tokens = [g.matcher for g, _ in live], [t for _, t in live]
+        parts = max(1, min(FILL_THREADS, len(live) // ACCEPT_CHUNK))
+        if parts == 1:
+            oks = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens) if live else []
+        else:
+            if self._accept_pool is None:
+                self._accept_pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hicache-accept")
+            ends = [len(live) * k // parts for k in range(parts + 1)]
+            oks = [ok for f in [self._accept_pool.submit(xgr.BatchGrammarMatcher.batch_accept_token,
+                                                         matchers[a:b], tokens[a:b]) for a, b in zip(ends, ends[1:])]
+                   for ok in f.result()]
+        for (g, t), ok in zip(live, oks):
+            g.record(t, ok)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
 
 
 class RequestGrammar:
@@ -168,9 +202,12 @@ class RequestGrammar:
         return self._matcher
 
     def accept(self, token: int) -> None:
-        if self.rejected:
-            return
-        if self.matcher.accept_token(token):
+        if not self.rejected:
+            self.record(token, self.matcher.accept_token(token))
+
+    def record(self, token: int, ok: bool) -> None:
+        """Notes that the matcher accepted `token` (`ok`) or refused it."""
+        if ok:
             self.accepted += 1
         else:
             logger.warning("a %s grammar rejected token %d: ending the request", self.kind, token)
@@ -195,24 +232,52 @@ class RequestGrammar:
             for t in outputs:
                 self.accept(t)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_fillers = threading.local()  # each filling thread's xgrammar.BatchGrammarMatcher
+
+
 def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor | None:
     """[B, ceil(V / 32)] int32 on the host: row i the tokens request i may take next (all for a row
     without a grammar); None when no row has one."""
-    if all(g is None for g in grammars):
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
         return None
-    mask = torch.full((len(grammars), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    for i, g in enumerate(grammars):
-        if g is not None:
-            g.fill(mask, i)
+    return _fill([grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+
+
+def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
+    if not hasattr(_fillers, "matcher"):
+        import xgrammar as xgr
+
+        _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
+    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    _fillers.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
     return mask
+
+
+class BitmaskFiller:
+    """`fill_bitmask` on a background thread. The caller must not advance or roll back the
+    matchers of a fill until it has its result."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> Future | None:
+        """A future of `fill_bitmask(grammars, vocab_size)`; None when no row has a grammar."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask")
+        return self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 # ---- over a scheduler's queue (requests with a `grammar` attribute) -----------------------------

@@ -38,6 +38,10 @@ a step's results are applied one `step()` later:
   retraction) therefore costs one sync.
 - `abort` of a request in the launched step applies that step first.
 
+A step whose requests have grammars queues its sampling only at the start of the next `step()`
+(`PendingStep.launch`), after that step is planned: the bitmask is filled on another thread while
+the pass runs and the host delivers the step's outputs and plans the next one.
+
 Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
 penalties (`torch.unique`), and a decode batch too large for the CUDA graphs (correct, less overlap).
 """
@@ -80,6 +84,8 @@ class OverlapLoop:
         s = self.sched
         releases = s.early_releases
         cont = self._continuation(prev) if prev is not None else None
+        if prev is not None:  # its sampling, if it waited for a grammar's bitmask filled meanwhile
+            prev.step.launch()
         if cont is not None:
             plan, keep = cont
             self.continued += 1

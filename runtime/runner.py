@@ -5,13 +5,14 @@ It never decides admission or eviction; it reads the request-to-token table the 
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
-from hicache.runtime.grammar import fill_bitmask
+from hicache.runtime.grammar import BitmaskFiller
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -27,6 +28,7 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.sampler = Sampler()
+        self.bitmasks = BitmaskFiller()
         self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
 
     def _capture(self, max_batch: int):
@@ -110,18 +112,30 @@ class ModelRunner:
         return ids_dev, meta[4 * n:4 * n + total], batch
 
     def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None) -> PendingStep:
-        """Queues the sampling of `rows` (from `forward`); reads the requests' history and grammar
-        matchers on the host (the matchers have accepted every token appended so far)."""
+        """The sampling of `rows` (from `forward`); reads the requests' history and grammar matchers
+        on the host (the matchers have accepted every token appended so far). Queued at once,
+        unless a row has a grammar: then its bitmask is filled on the filler's thread, and the
+        sampling is queued when the step's tokens are first needed (`PendingStep.launch`), so that
+        the host plans the next step while the mask is filled. Until then the requests' tokens
+        and matchers must stay as they are."""
         if not rows:
             return PendingStep(len(plan.reqs), rows, None, plan.prompt_logprobs)
         reqs = [plan.reqs[i] for i in rows]
-        bitmask = fill_bitmask([r.grammar for r in reqs], logits.shape[1])  # while the pass runs
-        with torch.inference_mode():
-            pending = self.sampler.launch(
-                logits, [r.params for r in reqs], [r.generator for r in reqs],
-                [r.input_ids for r in reqs], [r.output_ids for r in reqs],
-                [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs], bitmask)
-        return PendingStep(len(plan.reqs), rows, pending, plan.prompt_logprobs)
+        bitmask = self.bitmasks.start([r.grammar for r in reqs], logits.shape[1])  # while the pass runs
+        args = (logits, [r.params for r in reqs], [r.generator for r in reqs], [r.input_ids for r in reqs],
+                [r.output_ids for r in reqs], [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
+
+        def launch() -> PendingSample:
+            with torch.inference_mode():
+                return self.sampler.launch(*args, None if bitmask is None else bitmask.result())
+
+        step = PendingStep(len(plan.reqs), rows, launch, plan.prompt_logprobs)
+        if bitmask is None:
+            step.launch()
+        return step
+
+    def close(self) -> None:
+        self.bitmasks.close()
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -132,19 +146,28 @@ def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 class PendingStep:
-    """A launched step: the sampled tokens of the sampling rows on the device at once
-    (`next_ids`, [len(rows)] int64), the plan's `StepOutput` once `result()` has waited for them
-    (and for its prompt log-probs, if any)."""
+    """A step whose sampling is queued (`launch()`, at the latest by `next_ids` or `result()`):
+    the sampled tokens of the sampling rows on the device (`next_ids`, [len(rows)] int64), the
+    plan's `StepOutput` once `result()` has waited for them (and for its prompt log-probs, if any)."""
 
-    def __init__(self, num_reqs: int, rows: list[int], pending: PendingSample | None,
+    def __init__(self, num_reqs: int, rows: list[int], sample: Callable[[], PendingSample] | None,
                  prompt: prompt_logprobs.PendingPromptLogprobs | None = None):
-        self.num_reqs, self.rows, self.pending, self.prompt = num_reqs, rows, pending, prompt
+        self.num_reqs, self.rows, self.prompt = num_reqs, rows, prompt
+        self._sample = sample
+        self.pending: PendingSample | None = None
+
+    def launch(self) -> None:
+        """Queues the sampling (once)."""
+        if self._sample is not None:
+            self.pending, self._sample = self._sample(), None
 
     @property
     def next_ids(self) -> torch.Tensor | None:
+        self.launch()
         return None if self.pending is None else self.pending.next_ids
 
     def result(self) -> StepOutput:
+        self.launch()
         n = self.num_reqs
         out = StepOutput([None] * n, [None] * n, [None] * n,
                          [None] * n if self.prompt is None else self.prompt.result())

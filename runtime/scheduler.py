@@ -155,6 +155,7 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammars.close()
+        self.runner.close()
         self.cache.close()
 
     def flush_cache(self) -> bool:
@@ -356,6 +357,9 @@ class Scheduler:
         if plan.mode == "extend" and all(r.cache_kv for r in plan.reqs):  # not the warm-up (it compiles kernels)
             # the prefill rate that loads from L2 and L3 are weighed against
             self.cache.record_prefill(sum(plan.extend_lens), time.perf_counter() - plan.created)
+        self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
+                              if req.grammar is not None and out.next_ids[i] is not None
+                              and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
@@ -370,9 +374,7 @@ class Scheduler:
                 self._finish(req)
                 self._emit(req, [], {"type": "length", "length": 0}, None)
                 continue
-            req.output_ids.append(token)
-            if req.grammar is not None:
-                req.grammar.accept(token)
+            req.output_ids.append(token)  # its grammar accepted it above
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)

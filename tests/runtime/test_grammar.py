@@ -110,6 +110,33 @@ def test_retraction_rolls_the_matcher_back(engine):
         compiler.close()
 
 
+def test_batch_accept_and_fill_on_threads_match_one_by_one(engine, monkeypatch):
+    """`GrammarCompiler.accept` and `fill_bitmask` on several threads (forced here: CI has two
+    cores) leave each matcher as accepting its own tokens one at a time does, a refused token
+    included."""
+    from hicache.runtime import grammar
+
+    tok = engine.tokenizer
+    compiler = GrammarCompiler(tok, 49152, [tok.eos_token_id])
+    texts = ['{"a": [1, 22]}', '[true, null]', '"xyz"', '{"b": {}}'] * 5
+    try:
+        monkeypatch.setattr(grammar, "FILL_THREADS", 3)
+        batch = [compiler.start("json_schema", "{}") for _ in texts]
+        one = [compiler.start("json_schema", "{}") for _ in texts]
+        for step in range(4):
+            tokens = [(tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] * 4)[step] for t in texts]
+            tokens[step] = tok.encode("}", add_special_tokens=False)[0]  # refused where no object is open
+            compiler.accept(list(zip(batch, tokens)))
+            for g, t in zip(one, tokens):
+                g.accept(t)
+            assert [(g.accepted, g.rejected, g.finished) for g in batch] == [(g.accepted, g.rejected, g.finished) for g in one]
+            live = [None if g.finished else g for g in batch] + [None], [None if g.finished else g for g in one] + [None]
+            assert (fill_bitmask(live[0], 49152) == fill_bitmask(live[1], 49152)).all()
+        assert any(g.rejected for g in batch) and any(g.finished and not g.rejected for g in batch)
+    finally:
+        compiler.close()
+
+
 @pytest.mark.slow
 def test_json_schema_suite(engine):
     prompts, params, cases = _batch(SCHEMAS, REGEXES, EBNFS, 160, temperature=0)
