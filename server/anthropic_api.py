@@ -41,7 +41,7 @@ from hicache.server.serving import (
     stream_all,
     tm_of,
 )
-from hicache.server.tokenizer_manager import Chunk
+from hicache.server.stream import Chunk
 from hicache.server.tool_plan import ToolPlan, bad_request, make_plan, request_style
 from hicache.server.tools import ToolError
 

@@ -27,7 +27,8 @@ from hicache.server.serving import (
     tm_of,
     usage,
 )
-from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+from hicache.server.stream import Chunk
+from hicache.server.tokenizer_manager import TokenizerManager
 from hicache.server.tool_plan import ToolPlan
 
 router = APIRouter()

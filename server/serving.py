@@ -21,7 +21,8 @@ except ImportError:  # transformers renders chat templates with jinja2; without 
 from hicache.runtime.messages import GenerateRequest, expand_n
 from hicache.runtime.sampling import SamplingParams
 from hicache.server.protocol import APIError, error_body
-from hicache.server.tokenizer_manager import Chunk, TokenizerManager
+from hicache.server.stream import Chunk
+from hicache.server.tokenizer_manager import TokenizerManager
 
 DISCONNECT_POLL_S = 0.25
 MAX_STOPS = 64  # stop strings, and separately stop token ids, of one request

@@ -29,9 +29,8 @@ import zmq.asyncio
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
 from hicache.runtime.redact import redact_obj, url_password
-from hicache.runtime.sampling import SamplingParams
 from hicache.server import scheduler_process
-from hicache.server.detokenizer import IncrementalDetokenizer, StopStringBuffer
+from hicache.server.stream import DEAD, Chunk, RequestStream
 from hicache.server.ipc import (
     ControlReply,
     ControlRequest,
@@ -52,22 +51,6 @@ logger = logging.getLogger("hicache.server")
 
 class SchedulerUnavailable(RuntimeError):
     """The scheduler process is dead or not answering (HTTP 503)."""
-
-
-@dataclass
-class Chunk:
-    """What one request produced since its previous chunk (several TokenOutputs merged)."""
-
-    text_delta: str
-    text: str  # cumulative text released so far
-    new_ids: list[int]
-    output_ids: list[int]  # cumulative
-    meta: dict
-    finish_reason: dict | None = None
-    logprobs: list | None = None  # per new id: [logprob, [[id, logprob], ...]]
-    error: str | None = None
-    input_logprobs: list | None = None  # the prompt's (TokenOutput.input_logprobs), in one chunk
-    error_status: int = 400  # 400: rejected by the scheduler; 503: scheduler died
 
 
 @dataclass
@@ -254,7 +237,7 @@ class TokenizerManager:
         self._check_rid(req.rid)
         state = _ReqState(queue=asyncio.Queue())
         self._states[req.rid] = state
-        stream = _RequestStream(self, req.sampling_params)
+        stream = RequestStream(self.tokenizer, req.sampling_params)
         finished = False
         try:
             self._send([req])
@@ -445,7 +428,7 @@ class TokenizerManager:
         self._aborting.clear()
         for rid, state in list(self._states.items()):
             state.queue.put_nowait(TokenOutput(rid=rid, new_token_ids=[], finish_reason={"type": "abort"},
-                                               error=_DEAD + reason))
+                                               error=DEAD + reason))
         for fut in self._control_waiters.values():
             if not fut.done():
                 fut.set_exception(SchedulerUnavailable(reason))
@@ -467,47 +450,3 @@ def _load_tokenizer(runtime_config):
     from hicache.runtime.default_model import resolve_model_path
 
     return load_tokenizer(resolve_model_path(runtime_config.model_path))
-
-
-_DEAD = "\x00scheduler-dead:"  # prefixes the reason in outputs injected by _mark_dead (-> 503)
-
-
-class _RequestStream:
-    """Per-request detokenizer + stop-string buffer + cumulative state."""
-
-    def __init__(self, tm: TokenizerManager, params: SamplingParams) -> None:
-        self.tm = tm
-        self.detok = IncrementalDetokenizer(tm.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                            spaces_between_special_tokens=params.spaces_between_special_tokens)
-        self.stops = StopStringBuffer(params.stop)
-        self.trim = not params.no_stop_trim
-        self.output_ids: list[int] = []
-        self.meta: dict = {}
-
-    def merge(self, outs: list[TokenOutput]) -> Chunk:
-        new_ids: list[int] = []
-        logprobs: list | None = None
-        finish, error, prompt = None, None, None
-        for o in outs:
-            new_ids.extend(o.new_token_ids)
-            if o.logprobs:
-                logprobs = (logprobs or []) + list(o.logprobs)
-            self.meta.update(o.meta or {})
-            finish = o.finish_reason or finish
-            error = o.error or error
-            prompt = o.input_logprobs or prompt
-        self.output_ids.extend(new_ids)
-        delta = self.stops.push(self.detok.add(new_ids)) if new_ids else ""
-        if finish is not None:
-            delta += self._finish(finish)
-        status = 400
-        if error is not None and error.startswith(_DEAD):
-            error, status = error[len(_DEAD):] or "scheduler process died", 503
-        return Chunk(text_delta=delta, text=self.stops.final_text, new_ids=new_ids,
-                     output_ids=list(self.output_ids), meta=dict(self.meta), finish_reason=finish,
-                     logprobs=logprobs, error=error, error_status=status, input_logprobs=prompt)
-
-    def _finish(self, finish: dict) -> str:
-        tail = self.stops.push(self.detok.flush())
-        matched = finish.get("matched")
-        return tail + self.stops.finish(matched if isinstance(matched, str) else None, self.trim)
