@@ -27,7 +27,8 @@ from hicache.server.anthropic_content import (
     parse_tools,
 )
 from hicache.server.error_styles import anthropic_error
-from hicache.server.protocol import INT32_MAX, APIError, Int64, Strict, parse_body
+from hicache.server.bodies import INT32_MAX, Int64, Strict
+from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     check_model,

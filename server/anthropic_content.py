@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, StrictBool, ValidationError
 
-from hicache.server.protocol import APIError, Strict, describe_validation
+from hicache.server.bodies import Strict
+from hicache.server.protocol import APIError, describe_validation
 from hicache.server.tool_plan import ToolPlan, arguments_object
 from hicache.server.tools import Tool, ToolCall, ToolChoice, ToolError, check_unique, make_tool
 

@@ -15,10 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import GRAMMAR_KINDS, SamplingParams
+from hicache.server.bodies import AbortReqInput, GenerateReqInput
 from hicache.server.protocol import (
-    AbortReqInput,
     APIError,
-    GenerateReqInput,
     error_body,
     error_response,
     is_bare_non_browser_post,

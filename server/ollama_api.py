@@ -28,7 +28,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, StrictBool, StrictInt
 
 from hicache.runtime.grammar import JSON_OBJECT_SCHEMA
-from hicache.server.protocol import APIError, Int64, Strict, TopLogprobs, parse_body
+from hicache.server.bodies import Int64, Strict, TopLogprobs
+from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     check_model,
     check_prompt,

@@ -10,7 +10,8 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from hicache.server.openai_tools import StreamShaper, final_message, plan_tools
-from hicache.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from hicache.server.bodies import ChatCompletionRequest, CompletionRequest
+from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     ChoiceResult,

@@ -4,7 +4,7 @@ rendered (`plan_tools`), and the answer's calls shaped as OpenAI's `message.tool
 from __future__ import annotations
 
 from fastapi import Request
-from hicache.server.protocol import ChatCompletionRequest
+from hicache.server.bodies import ChatCompletionRequest
 from hicache.server.tool_parser import ToolDelta
 from hicache.server.tool_plan import ToolPlan, bad_request, make_plan, request_style
 from hicache.server.tools import ToolError, parse_call, parse_tool_choice, parse_tools

@@ -10,7 +10,8 @@ from jinja2 import TemplateError
 from pydantic import Field, StrictBool
 
 from hicache.server.openai_api import tm_of
-from hicache.server.protocol import APIError, Body, ChatMessage, parse_body
+from hicache.server.bodies import Body, ChatMessage
+from hicache.server.protocol import APIError, parse_body
 
 router = APIRouter()
 
