@@ -28,7 +28,8 @@ import torch
 
 from hicache.config import WRITE_POLICIES
 from hicache.decide import LoadDecider
-from hicache.storage import StorageController, StorageOptions
+from hicache.prefetch import StorageOptions
+from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
 from hicache.transfers import Op, Transfers
 from hicache.tree import MatchResult, RadixTree, TreeNode

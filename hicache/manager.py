@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from hicache.controller import CacheController
-from hicache.storage import StorageRange
+from hicache.prefetch import StorageRange
 from hicache.tiers.base import RequestTable
 from hicache.tree import MatchResult
 

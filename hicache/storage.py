@@ -22,20 +22,21 @@ oldest first, and unpins their pages so that eviction may take them (counted,
 on the tree nodes (`TreeNode.page_keys`, chained from the parent's last key), so a backup hashes
 only pages never hashed before, and a prefetch only the pages beyond the cached prefix. Past
 `backup_queue_pages` pages in flight, further backups are dropped and counted.
+
+The options and the per-prefetch and per-backup records are in `hicache/prefetch.py`.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-from hicache.config import PREFETCH_POLICIES
 from hicache.decide import LoadDecider
 from hicache.pagekey import chain_keys, salted_seed
+from hicache.prefetch import BackupJob, PrefetchOp, StorageOptions, StorageRange
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
 
@@ -44,64 +45,6 @@ logger = logging.getLogger(__name__)
 HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang's capacity limit)
 # the backend's own health counters shown with the status (LMDB: a full map or disk)
 BACKEND_HEALTH = ("map_full", "write_failures", "disk_short", "dropped_pages", "disk_free_bytes")
-
-
-@dataclass(frozen=True)
-class StorageOptions:
-    """The cache brain's keys of `hicache_storage_backend_extra_config` (the rest is the backend's)."""
-
-    policy: str = "timeout"
-    prefetch_threshold: int = 256  # tokens
-    prefetch_timeout_base: float = 2.0  # seconds
-    prefetch_timeout_per_ki_token: float = 0.1  # seconds per 1024 tokens
-    prefetch_timeout_max: float = 30.0
-    backup_queue_pages: int = 4096
-    batch_pages: int = 128  # pages per backend call (the worker's)
-    prefetch_grace: float = 0.1  # seconds a prefill batch may wait for prefetches in flight (not best_effort)
-
-    def __post_init__(self) -> None:
-        if self.policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch policy must be one of {', '.join(PREFETCH_POLICIES)}; got {self.policy!r}")
-        if self.prefetch_threshold < 0 or self.backup_queue_pages < 0 or self.batch_pages < 1:
-            raise ValueError(f"bad storage options {self}")
-
-    @classmethod
-    def split(cls, policy: str, extra: dict) -> tuple[StorageOptions, dict]:
-        """(options, the backend's remaining keys)."""
-        mine = {k: extra[k] for k in extra if k in cls.__dataclass_fields__ and k != "policy"}
-        return cls(policy, **mine), {k: v for k, v in extra.items() if k not in mine}
-
-    def timeout(self, tokens: int) -> float:
-        return min(self.prefetch_timeout_base + tokens / 1024 * self.prefetch_timeout_per_ki_token,
-                   self.prefetch_timeout_max)
-
-
-class _Prefetch:
-    """One request's prefetch: querying, deferred (L3 has the pages, L2 no room yet), fetching, or
-    done (nothing to fetch)."""
-
-    __slots__ = ("rid", "namespace", "tokens", "start", "keys", "ticket", "phase", "host_slots", "started",
-                 "landed", "finished", "hits")
-
-    def __init__(self, rid: str, namespace: str, tokens: list[int], start: int, keys: list[str], ticket: int):
-        self.rid, self.namespace, self.tokens, self.start, self.keys = rid, namespace, tokens, start, keys
-        self.ticket, self.phase, self.started = ticket, "query", time.monotonic()
-        self.host_slots: torch.Tensor | None = None  # [len(keys) * page_size] int64: reserved L2 pages (fetch)
-        self.landed = 0  # pages, once the fetch has finished
-        self.finished = False
-        self.hits = 0  # leading pages of `keys` that L3 holds (the query's answer)
-
-
-class _Backup(NamedTuple):
-    pieces: tuple[tuple[TreeNode, int], ...]
-    pages: int
-
-
-class StorageRange(NamedTuple):
-    """Prompt tokens [start, end) that a committed prefetch put into the tree (empty: none)."""
-
-    start: int = 0
-    end: int = 0
 
 
 class StorageController:
@@ -115,10 +58,10 @@ class StorageController:
         self._seed = seed
         self._seeds: dict[str, bytes] = {}
         self._alloc_host = alloc_host
-        self._by_rid: dict[str, _Prefetch] = {}
-        self._by_ticket: dict[int, _Prefetch] = {}  # queries and fetches in flight
+        self._by_rid: dict[str, PrefetchOp] = {}
+        self._by_ticket: dict[int, PrefetchOp] = {}  # queries and fetches in flight
         self._draining: dict[int, torch.Tensor] = {}  # fetch ticket -> its uncommitted pages, freed on its result
-        self._backups: dict[int, _Backup] = {}
+        self._backups: dict[int, BackupJob] = {}
         self._backup_pages = 0
         self.counters = collections.Counter()
 
@@ -140,7 +83,7 @@ class StorageController:
             return
         tokens = list(token_ids[:end])
         keys = self._keys_after(m.last_host_node, tokens[start:])
-        op = _Prefetch(rid, namespace, tokens, start, keys, self.engine.query(keys))
+        op = PrefetchOp(rid, namespace, tokens, start, keys, self.engine.query(keys))
         self._by_rid[rid] = op
         self._by_ticket[op.ticket] = op
         self.counters["prefetch_queries"] += 1
@@ -174,7 +117,7 @@ class StorageController:
             self.counters["prefetch_cut_short"] += 1
         return self._commit(op)
 
-    def _may_stop(self, op: _Prefetch) -> bool:
+    def _may_stop(self, op: PrefetchOp) -> bool:
         policy = self.options.policy
         if policy == "best_effort":
             return True
@@ -182,7 +125,7 @@ class StorageController:
             return False
         return time.monotonic() - op.started > self.options.timeout(len(op.keys) * self.page_size)
 
-    def _commit(self, op: _Prefetch) -> StorageRange:
+    def _commit(self, op: PrefetchOp) -> StorageRange:
         ps = self.page_size
         landed = op.landed if op.finished else self.engine.progress(op.ticket)
         if not op.finished:
@@ -215,7 +158,7 @@ class StorageController:
         elif op.phase == "fetch":
             self.tree.host_allocator.free(op.host_slots)
 
-    def _on_query(self, op: _Prefetch, res: StorageResult) -> None:
+    def _on_query(self, op: PrefetchOp, res: StorageResult) -> None:
         op.phase = "done"
         if not res.ok or res.pages * self.page_size < self._min_tokens():
             self.counters["prefetch_below_threshold" if res.ok else "prefetch_failed"] += 1
@@ -227,7 +170,7 @@ class StorageController:
     def _min_tokens(self) -> int:
         return max(self.options.prefetch_threshold, self.page_size)
 
-    def _reserve(self, op: _Prefetch) -> bool:
+    def _reserve(self, op: PrefetchOp) -> bool:
         """Reserves L2 pages for the L3 hits of a deferred `op` beyond what the cache holds now and
         starts its fetch. False (it stays deferred) while L2 has no room for them."""
         ps = self.page_size
@@ -273,7 +216,7 @@ class StorageController:
         slots = torch.cat([n.host_slots for n in nodes])
         for n in nodes:
             n.host_pin += 1
-        self._backups[self.engine.backup(keys, slots)] = _Backup(tuple((n, len(n.key)) for n in nodes), pages)
+        self._backups[self.engine.backup(keys, slots)] = BackupJob(tuple((n, len(n.key)) for n in nodes), pages)
         self._backup_pages += pages
 
     def revoke_backups(self, tokens: int) -> int:
@@ -291,7 +234,7 @@ class StorageController:
             self.counters["backup_revoked_tokens"] += b.pages * self.page_size
         return freed
 
-    def _unpin(self, b: _Backup) -> None:
+    def _unpin(self, b: BackupJob) -> None:
         self._backup_pages -= b.pages
         for node in nodes_covering(b.pieces):
             node.host_pin -= 1

@@ -21,7 +21,7 @@ from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 from hicache.tiers.host.pool import HostKVPool, available_ram, host_pool_tokens
-from hicache.storage import StorageOptions
+from hicache.prefetch import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.redact import redact
