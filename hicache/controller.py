@@ -3,7 +3,7 @@ over the radix tree, through the tier protocols only (no concrete tier, no CUDA)
 
 - match: the L1 part of a prefix plus its L2 continuation (`MatchResult.host_hit_tokens`).
 - load-back: all or nothing per request, at least `load_back_min_tokens`, into fresh L1 pages
-  (evicting L1 for them and for the room the caller asks to keep).
+  (evicting L1 for them and for the room the caller asks to keep; `hicache/loadback.py`).
 - write policy: `write_through` backs up new pages on insert, `write_through_selective` on their
   second insert, `write_back` only when L1 evicts them.
 - eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the
@@ -22,12 +22,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from hicache.config import WRITE_POLICIES
 from hicache.decide import LoadDecider
+from hicache.loadback import LoadBack, window_cut, windowless_nodes
 from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
@@ -38,14 +39,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_BACK_MIN_TOKENS = 10  # below this a host hit is recomputed (SGLang's load_back_threshold)
 WRITE_THRESHOLDS = {"write_through": 0, "write_through_selective": 1}  # hit_count needed to back up on insert
-
-
-class LoadBack(NamedTuple):
-    device_slots: torch.Tensor  # [m] int64, CPU: fresh L1 slots of the loaded tokens (tree-owned); empty if refused
-    last_node: TreeNode  # the node the caller's lock now sits on (match.last_node if refused)
-    ticket: int  # 0 if refused
-    # "" (loaded), "short" (under the minimum), "slow" (recomputing is faster), "room" (no L1 room yet), "failed"
-    refused: str = ""
 
 
 class CacheController:
@@ -154,7 +147,7 @@ class CacheController:
         queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
         if not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
             return refuse("slow")
-        cut = self._window_cut(match)
+        cut = window_cut(self.tree, match, self.window)
         chain = self.tree.load_chain(match.last_host_node)
         n = sum(len(node.key) for node in chain)
         host = torch.cat([node.host_slots for node in chain])
@@ -180,33 +173,10 @@ class CacheController:
             self.drop_stale()
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")
-        self._mark_windowless(chain, cut)
-        return LoadBack(slots, last, ticket)
-
-    def _window_cut(self, match: MatchResult) -> int:
-        """Tokens at the head of the L2 part whose windowed-layer KV a load-back may skip (page
-        multiple, 0 without a window); splits the node the cut falls in."""
-        if self.window is None:
-            return 0
-        page, start = self.tree.page_size, len(match.device_slots)
-        end = start + match.host_hit_tokens
-        cut = max(0, (end - self.window - page) // page * page - start)
-        offset = 0
-        for node in self.tree.load_chain(match.last_host_node):
-            if 0 < cut - offset < len(node.key):
-                self.tree.split(node, cut - offset)
-                break
-            offset += len(node.key)
-        return cut
-
-    def _mark_windowless(self, chain: list[TreeNode], cut: int) -> None:
-        end = 0
-        for node in chain:
-            end += len(node.key)
-            if end > cut:
-                return
+        for node in windowless_nodes(chain, cut):
             node.stale = True
             self._stale.append(node)
+        return LoadBack(slots, last, ticket)
 
     def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
         alloc = self.tree.allocator
