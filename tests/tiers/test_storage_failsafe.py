@@ -32,6 +32,7 @@ from hicache.pagekey import namespace_seed, page_keys, salted_seed
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import disk
 from hicache.tiers.remote import lmdb as lmdb_tier
+from hicache.tiers.remote import lmdb_env
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.backend import BackendUnavailable
 from hicache.tiers.remote.worker import StorageWorker
@@ -292,15 +293,15 @@ def test_writes_that_keep_failing_degrade_then_resume_when_space_returns(tmp_pat
     fault = inject(b, failures=-1)
     assert b.batch_set(keys(4), pages(4)) == 0
     assert b.status() == f"degraded: writes fail at {b.path}: DiskError: mdb_txn_commit: No space left on device"
-    assert b.stats()["write_failures"] == lmdb_tier.WRITE_ATTEMPTS and b.stats()["dropped_pages"] == 4
+    assert b.stats()["write_failures"] == lmdb_env.WRITE_ATTEMPTS and b.stats()["dropped_pages"] == 4
     with pytest.raises(BackendUnavailable):
         b.batch_set(keys(4), pages(4))
     assert b.batch_exists(keys(4)) == 0  # reads still answer
-    monkeypatch.setattr(lmdb_tier, "free_bytes", lambda path: 0)
+    monkeypatch.setattr(lmdb_env, "free_bytes", lambda path: 0)
     fault.failures = 0
     b.probe()
     assert b.status().startswith("degraded")  # no room yet, whatever a small write does
-    monkeypatch.setattr(lmdb_tier, "free_bytes", lambda path: 1 << 40)
+    monkeypatch.setattr(lmdb_env, "free_bytes", lambda path: 1 << 40)
     b.probe()
     assert b.status() == "ok" and b.batch_set(keys(4), pages(4)) == 4
     b.close()
@@ -322,7 +323,7 @@ def test_lmdb_maps_nothing_a_full_disk_could_sigbus(tmp_path):
     b = backend(tmp_path / "l3")
     assert b._env.env.flags()["writemap"] is False  # data.mdb: read-only map, written with pwrite
     lock = os.stat(tmp_path / "l3" / "lock.mdb")
-    assert lock.st_size == disk.lock_file_bytes(lmdb_tier.MAX_READERS)
+    assert lock.st_size == disk.lock_file_bytes(lmdb_env.MAX_READERS)
     assert lock.st_blocks * 512 >= lock.st_size  # every block allocated: no sparse page to fault in
     b.close()
 

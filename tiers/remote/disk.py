@@ -6,7 +6,7 @@ so it is sparse: the first write into one of its pages (LMDB does it on open, an
 thread takes a reader slot) makes the filesystem allocate a block, and on a full disk the kernel
 answers that page fault with SIGBUS, which kills the process. `prepare` gives the lock file real
 blocks first (`posix_fallocate`, which fails with ENOSPC instead). `data.mdb` is mapped read-only
-(`writemap=False`, py-lmdb's default, which `lmdb.py` passes explicitly): LMDB writes it with
+(`writemap=False`, py-lmdb's default, which `lmdb_env.py` passes explicitly): LMDB writes it with
 `pwrite`, which returns ENOSPC or EIO on a full disk. With `writemap=True` LMDB would ftruncate it to
 the whole map size, sparse, and write through the map: the same SIGBUS as soon as the disk fills.
 """
