@@ -142,7 +142,7 @@ class CacheManager:
     def grow(self, lease: Lease, upto: int, headroom: int = 0) -> bool:
         """Extends the lease's slots to cover `upto` tokens (whole pages), evicting the tree if
         needed and keeping `headroom` tokens free. False, changing nothing, when it cannot."""
-        need = -(-upto // self.page_size) * self.page_size - lease.slots.numel()
+        need = self._need(lease, upto)
         if need <= 0:
             return True
         free = self.allocator.num_free_tokens
@@ -154,6 +154,33 @@ class CacheManager:
         self.req_table.write(lease.row, lease.slots.numel(), new)
         lease.slots = torch.cat([lease.slots, new])
         return True
+
+    def grow_all(self, leases: list[Lease], uptos: list[int]) -> bool:
+        """`grow(lease, upto)` for each pair in order, in one allocation and one table write when
+        the free pool covers them all. False as soon as one cannot grow (those before it keep what
+        they got)."""
+        needs = [self._need(lease, upto) for lease, upto in zip(leases, uptos)]
+        total = sum(n for n in needs if n > 0)
+        if total == 0:
+            return True
+        if total > self.allocator.num_free_tokens():  # one after another, evicting as each needs
+            return all(self.grow(lease, upto) for lease, upto in zip(leases, uptos))
+        new = self.allocator.alloc(total)  # the first lease takes its tail (as a grow of its own would, from a stack)
+        rows, cols, parts, end = [], [], [], total
+        for lease, need in zip(leases, needs):
+            if need > 0:
+                have, part = lease.slots.numel(), new[end - need:end]
+                rows.extend([lease.row] * need)
+                cols.extend(range(have, have + need))
+                parts.append(part)
+                lease.slots = torch.cat([lease.slots, part])
+                end -= need
+        self.req_table.scatter(rows, cols, torch.cat(parts))
+        return True
+
+    def _need(self, lease: Lease, upto: int) -> int:
+        """Slots the lease lacks to cover `upto` tokens in whole pages (<= 0: none)."""
+        return -(-upto // self.page_size) * self.page_size - lease.slots.numel()
 
     def release(self, lease: Lease, token_ids: list[int], prompt_tokens: int, keep: bool = True) -> None:
         """Gives the tree the KV of `token_ids` (the tokens computed so far; whole pages), unless

@@ -306,12 +306,10 @@ class Scheduler:
                 if not self.stop_checker.length_reached(r, self.context_length, 1)]
         if not keep:
             return None
-        nxt = BatchPlan("decode", [], [], [], [])
-        for i in keep:
-            if not self.cache.grow(plan.reqs[i].lease, plan.starts[i] + 2):
-                return None
-            nxt.add(plan.reqs[i], plan.starts[i] + 1, 1, True)
-        return nxt, keep
+        reqs, starts = [plan.reqs[i] for i in keep], [plan.starts[i] + 1 for i in keep]
+        if not self.cache.grow_all([r.lease for r in reqs], [s + 1 for s in starts]):
+            return None
+        return BatchPlan("decode", reqs, starts, [1] * len(keep), [True] * len(keep)), keep
 
     # ---- memory ----------------------------------------------------------------------------
 

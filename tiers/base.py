@@ -113,6 +113,10 @@ class RequestTable(Protocol):
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None: ...
 
+    def scatter(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """Position cols[i] of row rows[i] gets slots[i], for every i."""
+        ...
+
 
 class HostPool(Protocol):
     """L2: a host KV pool (pinned when CUDA is present) with its own thread-safe page allocator.

@@ -159,6 +159,10 @@ class FakeTable:
     def write(self, row, start, slots):
         self.rows[row].update({start + i: s for i, s in enumerate(slots.tolist())})
 
+    def scatter(self, rows, cols, slots):
+        for row, col, slot in zip(rows, cols, slots.tolist()):
+            self.rows[row][col] = slot
+
 
 class FakeStorage:
     """A StorageEngine that holds every operation until `complete()`: queries find `hits` leading

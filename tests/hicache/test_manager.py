@@ -132,3 +132,18 @@ def test_refusals_leave_nothing_held():
     s.compute(first, a, 6)
     s.release(first, a)
     assert s.table.num_free() == 1
+
+
+def test_grow_all_grows_as_one_grow_after_another():
+    grown, taken = [], []
+    for together in (False, True):
+        s = Setup(ps=2, device_pages=16, rows=3)
+        leases = [s.admit(list(range(k * 10, k * 10 + 3)), 3)[0] for k in range(3)]
+        uptos = [5, 3, 8]  # the second needs nothing
+        assert s.cache.grow_all(leases, uptos) if together else all(map(s.cache.grow, leases, uptos))
+        s.check()
+        grown.append([lease.slots.numel() for lease in leases])
+        taken.append(sorted(sum((lease.slots.tolist() for lease in leases), [])))
+        assert not s.cache.grow_all(leases, [40, 3, 3])  # more than L1 holds: refused, nothing taken
+        assert [lease.slots.numel() for lease in leases] == grown[-1]
+    assert grown[0] == grown[1] == [6, 4, 8] and taken[0] == taken[1]

@@ -41,3 +41,12 @@ def test_pool_and_table_shapes():
     table.write(r, 4, torch.tensor([7, 8]))
     assert table.read(r, 6)[4:].tolist() == [7, 8]
     assert table.alloc() is not None and table.alloc() is None
+
+
+def test_table_scatter_writes_as_row_writes_do():
+    written, scattered = ReqToTokenTable(3, 8, "cpu"), ReqToTokenTable(3, 8, "cpu")
+    slots = torch.randint(0, 1000, (5,), dtype=torch.int64)
+    written.write(2, 3, slots[:3])
+    written.write(0, 1, slots[3:])
+    scattered.scatter([2, 2, 2, 0, 0], [3, 4, 5, 1, 2], slots)
+    assert torch.equal(written.table, scattered.table)

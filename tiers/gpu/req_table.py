@@ -33,5 +33,12 @@ class ReqToTokenTable:
             slots = slots.pin_memory().to(self.table.device, non_blocking=True)
         self.table[row, start:start + slots.numel()] = slots
 
+    def scatter(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """table[rows[i], cols[i]] = slots[i] for every i, in one copy to the device."""
+        index = torch.cat([torch.tensor([rows, cols], dtype=torch.int64), slots[None]])
+        if self.table.is_cuda:
+            index = index.pin_memory().to(self.table.device, non_blocking=True)
+        self.table[index[0], index[1]] = index[2]
+
     def read(self, row: int, length: int) -> torch.Tensor:
         return self.table[row, :length]
