@@ -2,6 +2,8 @@
 a request-to-token table, fresh generators, and the relative error the tolerances bound."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import kernel_env as env
 import torch
 
@@ -43,3 +45,28 @@ def table_of(slots: list[torch.Tensor], extra_rows: int = 2) -> tuple[torch.Tens
 def random_pool(num_slots: int, hkv: int, d: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype),
             torch.randn(num_slots, hkv, d, generator=gen, device=DEV).to(dtype))
+
+
+class ExtendCase(NamedTuple):
+    """An extend batch over cached prefixes: queries for the new tokens, a pool holding prefix and
+    new tokens on scattered pages, the table, and the per-request lengths and query offsets."""
+    q: torch.Tensor  # [sum(extends), hq, d]
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    slots: list[torch.Tensor]
+    table: torch.Tensor
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    starts: torch.Tensor
+
+
+def extend_case(prefixes: list[int], extends: list[int], page_size: int, hq: int, hkv: int, d: int, dtype,
+                gen: torch.Generator) -> ExtendCase:
+    slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], page_size, gen)
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    table, rows = table_of(slots)
+    q = torch.randn(sum(extends), hq, d, generator=gen, device=DEV).to(dtype)
+    lens = torch.tensor(extends, device=DEV)
+    return ExtendCase(q, k_buf, v_buf, slots, table, rows, torch.tensor(prefixes, device=DEV), lens,
+                      torch.cumsum(lens, 0) - lens)

@@ -12,7 +12,7 @@ import time
 import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
-from paged_inputs import fresh_gen, paged_slots, random_pool, rel_err, table_of
+from paged_inputs import extend_case, fresh_gen, paged_slots, random_pool, rel_err, table_of
 
 from hicache.kernels import attention as ref
 
@@ -61,18 +61,13 @@ def test_extend_with_prefix(dtype, hq, hkv, page_size, batch):
                                    "long_prefix": ([30000, 0], [100, 257])},
                                   {"ragged": ([0, 0, 37, 100, 64], [1, 70, 129, 1, 64]),
                                    "long_prefix": ([1000, 0], [30, 70])})[batch]
-    slots, num_slots = paged_slots([p + e for p, e in zip(prefixes, extends)], page_size, gen)
-    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
-    table, rows = table_of(slots)
-    q = torch.randn(sum(extends), hq, d, generator=gen, device=DEV).to(dtype)
-    lens = torch.tensor(extends, device=DEV)
-    starts = torch.cumsum(lens, 0) - lens
-    out = extend_attention(q, k_buf, v_buf, table, rows, torch.tensor(prefixes, device=DEV), lens, starts,
+    c = extend_case(prefixes, extends, page_size, hq, hkv, d, dtype, gen)
+    out = extend_attention(c.q, c.k_buf, c.v_buf, c.table, c.rows, c.prefix_lens, c.extend_lens, c.starts,
                            max(extends), d ** -0.5)
-    want = ref.extend_attention(q.float(), k_buf.float(), v_buf.float(), slots, extends, d ** -0.5)
+    want = ref.extend_attention(c.q.float(), c.k_buf.float(), c.v_buf.float(), c.slots, extends, d ** -0.5)
     assert out.dtype == dtype
     assert rel_err(out, want) < TOL[dtype]
-    for s, e in zip(starts.tolist(), extends):
+    for s, e in zip(c.starts.tolist(), extends):
         assert rel_err(out[s:s + e], want[s:s + e]) < TOL[dtype]
 
 
