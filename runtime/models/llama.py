@@ -211,7 +211,7 @@ class LlamaMLP(nn.Module):
                  intermediate_size: int | None = None, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
         full = intermediate_size or config.intermediate_size
-        part = tp.shard(full, "intermediate_size")
+        part = tp.shard(full, "intermediate_size" if intermediate_size is None else "shared_expert_intermediate_size")
         self.tp, self.reduce, self.intermediate_size = tp, reduce, part.stop - part.start
         self.parts = {"gate": index(tp, part), "up": index(tp, part), "down": index(tp, slice(None), part)}
         fused = index(tp, fused_rows([(full, part), (full, part)]))

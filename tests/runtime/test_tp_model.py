@@ -16,6 +16,7 @@ from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.batch import ForwardBatch
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models import get_model_class
+from hicache.runtime.models.sharding import fused_rows, take
 from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.weights import load_model
 from hicache.runtime.weights.gguf import GGUFCheckpoint
@@ -125,6 +126,20 @@ def test_ranks_hold_their_share(tiny_config_path):
     assert (model.num_heads, model.num_kv_heads) == (2, 1)
     torch.testing.assert_close(model.layers[0].mlp.down_proj, whole.layers[0].mlp.down_proj[:, half:])
     torch.testing.assert_close(model.embed_tokens, whole.embed_tokens[whole.config.vocab_size // 2:])
+
+
+def test_take_reads_a_share_of_a_safetensors_slice(tmp_path):
+    """A lazy safetensors slice indexed as a torch tensor: by slices (only those bytes read), by
+    row ids (a fused stack: read whole, then indexed), whole."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    t = torch.randn(3, 8, 5)
+    save_file({"t": t}, str(tmp_path / "t.safetensors"))
+    rows = fused_rows([(4, slice(2, 4)), (4, slice(2, 4))])
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
+        for idx in [(slice(None), slice(None), slice(1, 3)), (slice(None), rows), ()]:
+            assert torch.equal(take(f.get_slice("t"), idx), t[idx] if idx else t), idx
 
 
 @pytest.mark.parametrize(("size", "change", "field"), [(8, {}, "num_heads"), (2, {"vocab_size": 511}, "vocab_size"),
