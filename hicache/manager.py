@@ -196,6 +196,24 @@ class CacheManager:
         self.drop(lease)
         self.controller.drop_stale()  # (nodes of failed loads, and those a windowed load-back left untrusted)
 
+    def publish(self, lease: Lease, token_ids: list[int]) -> None:
+        """Caches the KV the lease has computed of `token_ids` (whole pages) while its request goes
+        on: the tree takes those pages and the lease locks them as its prefix, so that requests
+        sharing them find them cached now rather than when this one finishes."""
+        kv = len(token_ids) // self.page_size * self.page_size
+        if lease._node is None or self.disabled or kv <= lease.prefix_len:
+            return
+        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, kv)
+        nodes = self.controller.tree.path(token_ids[:kv], lease.namespace)
+        cached = torch.cat([node.device_slots for node in nodes])
+        self.controller.lock(nodes[-1])
+        self.controller.unlock(lease._node)
+        if present > lease.prefix_len:  # pages the tree held already: the request reads the tree's
+            self.req_table.write(lease.row, lease.prefix_len, cached[lease.prefix_len:present])
+            self.allocator.free(lease.slots[lease.prefix_len:present])
+        lease._node, lease.prefix_len = nodes[-1], kv
+        lease.slots = torch.cat([cached, lease.slots[kv:]])
+
     def drop(self, lease: Lease) -> None:
         """Unlocks the lease and frees its row; its own slots must have been freed."""
         if lease._node is not None:

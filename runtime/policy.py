@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Callable
 
 from hicache.runtime.config import RuntimeConfig
 
+# a request waits for another's prefill only to save at least this many tokens of its own
+SHARED_PREFILL_MIN = 64
+
 if TYPE_CHECKING:
     from hicache.runtime.request import Req
 
@@ -59,10 +62,30 @@ class BudgetPolicy:
         """True when a request of a launched, unapplied step shares at least a page of `req`'s
         prompt past the `matched` tokens the tree holds: once that step is applied and the request
         finished, the tree may hold it, so `req` waits for it rather than computing it again."""
-        upto = matched + self.page_size
-        ids = req.all_ids[:upto]
-        return len(req.all_ids) > upto and any(
-            r.namespace == req.namespace and r.all_ids[:upto] == ids for r in launched)
+        return any(self._shared(req, matched, r) >= self.page_size for r in launched)
+
+    def prefill_leaders(self, req: Req, matched: int, prefilling: list[Req]) -> list[Req]:
+        """The requests still computing their prompts that share most of what `req` would compute
+        (past the `matched` tokens the tree holds; at least `SHARED_PREFILL_MIN` tokens). `req`
+        waits for them rather than computing the same tokens beside them: once computed, they
+        publish their prompts (`CacheManager.publish`)."""
+        own = req.prefix_limit - matched
+        need = max(SHARED_PREFILL_MIN, own // 2)
+        return [r for r in prefilling if self._shared(req, matched, r) >= need] if own >= need else []
+
+    def _shared(self, req: Req, matched: int, other: Req) -> int:
+        """How many tokens past `matched` `req`'s tokens share with `other`'s, whole pages (a
+        binary search over slice comparisons)."""
+        if other.namespace != req.namespace:
+            return 0
+        mine, theirs, ps = req.all_ids, other.all_ids, self.page_size
+        lo, hi = matched // ps, min(len(mine), len(theirs)) // ps  # pages: lo shared (cached), hi at most
+        if hi <= lo or mine[lo * ps:(lo + 1) * ps] != theirs[lo * ps:(lo + 1) * ps]:
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if mine[:mid * ps] == theirs[:mid * ps] else (lo, mid - 1)
+        return lo * ps - matched
 
     @staticmethod
     def victim(running: list[Req]) -> Req:

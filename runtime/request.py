@@ -42,6 +42,7 @@ class Req:
         self.load_back_failed = False  # a load-back it waited for failed: recompute, never reload
         self.arrival_seq = 0
         self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
+        self.publish_prompt = False  # a waiting request shares its prompt: cache it once computed
         self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
 
     @property

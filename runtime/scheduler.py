@@ -238,12 +238,23 @@ class Scheduler:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
             if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
                 req.storage_range = (got.start, got.end)
+            if self._waits_for_prefill(req, cached):
+                continue  # a running request is computing most of its prompt: it finds it cached next
             n = self._admit(req, budget, after)
             if n == 0:
                 break
             self.cache.refresh(req.lease)
             budget -= n
             self._add_chunk(plan, req, n, allocated=True)
+
+    def _waits_for_prefill(self, req: Req, cached) -> bool:
+        """Whether `req` waits for running requests computing a prompt it mostly shares; they are
+        marked to publish their prompts once computed."""
+        prefilling = [r for r in self.running if r.kv_len < len(r.input_ids) and r.cache_kv]
+        leaders = self.policy.prefill_leaders(req, cached(req), prefilling) if prefilling and cached else []
+        for r in leaders:
+            r.publish_prompt = True
+        return bool(leaders)
 
     def _admit(self, req: Req, budget: int, after: BatchPlan | None = None) -> int:
         """Admits `req` with its cached prefix (loaded back from L2 where needed) and the slots of
@@ -364,6 +375,9 @@ class Scheduler:
             req.kv_len += plan.extend_lens[i]
             if plan.mode == "extend":
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
+                if req.publish_prompt and req.kv_len >= len(req.input_ids):
+                    req.publish_prompt = False
+                    self.cache.publish(req.lease, req.input_ids)
                 req.input_logprobs.extend(out.input_logprobs[i] or ())
             token = out.next_ids[i]
             if token is None:
