@@ -20,6 +20,7 @@ from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
+from hicache.runtime.jump_forward import jump
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
@@ -43,6 +44,7 @@ class Scheduler:
         self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self.jump_forward = not rc.disable_jump_forward
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
@@ -215,6 +217,8 @@ class Scheduler:
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
+        if any(start >= len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
+            self._add_decoding(plan)  # a forced run (jump-forward) is computed with the decoding requests
         self._admit_waiting(plan, budget, after)
         return plan if plan.reqs else None
 
@@ -238,6 +242,8 @@ class Scheduler:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
             if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
                 req.storage_range = (got.start, got.end)
+            if not req.output_ids and self._jump_first(req):
+                continue  # the forced text alone reached a stop or the length limit
             n = self._admit(req, budget, after)
             if n == 0:
                 break
@@ -286,6 +292,15 @@ class Scheduler:
             return 0
         plan.add(req, start, n, start + n == req.seq_len)
         return n
+
+    def _add_decoding(self, plan: BatchPlan) -> None:
+        """Adds each decoding request not in `plan` as a chunk of one token, where a slot is free
+        without retracting (the plan holds requests of any arrival)."""
+        planned = {id(r) for r in plan.reqs}
+        for req in sorted(self.running, key=lambda r: r.arrival_seq):
+            if id(req) not in planned and req.kv_len == req.seq_len - 1 and self.cache.grow(req.lease, req.seq_len):
+                self.cache.refresh(req.lease)
+                plan.add(req, req.kv_len, 1, True)
 
     def _schedule_decode(self) -> BatchPlan | None:
         plan = BatchPlan("decode", [], [], [], [])
@@ -358,11 +373,12 @@ class Scheduler:
         self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
                               if req.grammar is not None and out.next_ids[i] is not None
                               and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
+        self.counters["forward_steps"] += 1
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
-            if plan.mode == "extend":
+            if plan.mode == "extend" and plan.starts[i] < len(req.input_ids):
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
                 req.input_logprobs.extend(out.input_logprobs[i] or ())
             token = out.next_ids[i]
@@ -376,9 +392,34 @@ class Scheduler:
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)
+            forced, reason = self._jump(req) if reason is None else ([], reason)
             if reason is not None:
                 self._finish(req)
-            self._emit(req, [token], reason, logprobs)
+            self._emit(req, [token, *forced], reason, logprobs)
+
+    def _jump(self, req: Req) -> tuple[list[int], dict | None]:
+        """Jump-forward (runtime/jump_forward.py): appends the tokens `req`'s grammar forces next;
+        they are computed by its next step, an extend. Not for requests that return log-probs
+        (each of their tokens keeps the log-prob of a model step)."""
+        if not self.jump_forward or req.grammar is None or req.return_logprob:
+            return [], None
+        forced, reason = jump(req, self.tokenizer, self.stop_checker, self.context_length)
+        self.counters["generation_tokens"] += len(forced)
+        self.counters["jump_forward_tokens"] += len(forced)
+        return forced, reason
+
+    def _jump_first(self, req: Req) -> bool:
+        """The jump before a request's first token (computed with its prompt); True when that
+        finished the request (it leaves the queue)."""
+        forced, reason = self._jump(req)
+        if reason is not None:
+            self.waiting.remove(req)
+            self.queue_version += 1
+            self.cache.revoke(req.rid)
+            self.counters["requests_finished"] += 1
+        if forced:
+            self._emit(req, forced, reason, None)
+        return reason is not None
 
     def _finish(self, req: Req) -> None:
         self.running.remove(req)
