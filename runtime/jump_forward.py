@@ -32,6 +32,25 @@ if TYPE_CHECKING:
 JOIN_TOKENS = 2  # the request's last tokens encoded with the forced text (its left edge)
 
 
+class JumpForward:
+    """The scheduler's jump-forward: `jump` for requests with a grammar, unless it is disabled or
+    the request returns log-probs (each of its tokens keeps the log-prob of a model step); counts
+    the tokens appended (`generation_tokens`, `jump_forward_tokens`)."""
+
+    def __init__(self, enabled: bool, tokenizer: Any, stops: StopChecker, context_length: int, counters: dict):
+        self.enabled = enabled and tokenizer is not None
+        self._args = (tokenizer, stops, context_length)
+        self._counters = counters
+
+    def __call__(self, req: Req) -> tuple[list[int], dict | None]:
+        if not self.enabled or req.grammar is None or req.return_logprob:
+            return [], None
+        forced, reason = jump(req, *self._args)
+        self._counters["generation_tokens"] += len(forced)
+        self._counters["jump_forward_tokens"] += len(forced)
+        return forced, reason
+
+
 def jump(req: Req, tokenizer: Any, stops: StopChecker, context_length: int) -> tuple[list[int], dict | None]:
     """Appends the tokens `req`'s grammar forces next (accepted by its matcher) to its outputs.
     Returns them and the finish reason the last of them met (None: the request goes on)."""

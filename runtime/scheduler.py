@@ -20,7 +20,7 @@ from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
-from hicache.runtime.jump_forward import jump
+from hicache.runtime.jump_forward import JumpForward
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
@@ -44,12 +44,13 @@ class Scheduler:
         self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
-        self.jump_forward = not rc.disable_jump_forward
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
         self.counters = Counters()
+        self.jump = JumpForward(not rc.disable_jump_forward, self.tokenizer, self.stop_checker, self.context_length,
+                                self.counters)
         # Change markers for the overlap loop: the queue or the running set changed (arrival,
         # admission, finish, abort, retraction); a running request gave its slots back early.
         self.queue_version = 0
@@ -218,7 +219,7 @@ class Scheduler:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
         if any(start >= len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
-            self._add_decoding(plan)  # a forced run (jump-forward) is computed with the decoding requests
+            self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests
         self._admit_waiting(plan, budget, after)
         return plan if plan.reqs else None
 
@@ -293,21 +294,16 @@ class Scheduler:
         plan.add(req, start, n, start + n == req.seq_len)
         return n
 
-    def _add_decoding(self, plan: BatchPlan) -> None:
-        """Adds each decoding request not in `plan` as a chunk of one token, where a slot is free
-        without retracting (the plan holds requests of any arrival)."""
+    def _schedule_decode(self, extend: BatchPlan | None = None) -> BatchPlan | None:
+        """One token for every decoding request. With `extend` (a plan with forced runs), those
+        not in it join it as chunks of one token, where a slot is free without retracting (it
+        holds requests of any arrival)."""
+        plan = extend or BatchPlan("decode", [], [], [], [])
         planned = {id(r) for r in plan.reqs}
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if id(req) not in planned and req.kv_len == req.seq_len - 1 and self.cache.grow(req.lease, req.seq_len):
+            if id(req) not in planned and req in self.running and req.kv_len == req.seq_len - 1:
                 self.cache.refresh(req.lease)
-                plan.add(req, req.kv_len, 1, True)
-
-    def _schedule_decode(self) -> BatchPlan | None:
-        plan = BatchPlan("decode", [], [], [], [])
-        for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if req in self.running and req.kv_len == req.seq_len - 1:
-                self.cache.refresh(req.lease)
-                if self._make_room(req, req.kv_len + 1):
+                if self.cache.grow(req.lease, req.seq_len) if extend else self._make_room(req, req.seq_len):
                     plan.add(req, req.kv_len, 1, True)
         return plan if plan.reqs else None
 
@@ -392,26 +388,15 @@ class Scheduler:
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)
-            forced, reason = self._jump(req) if reason is None else ([], reason)
+            forced, reason = self.jump(req) if reason is None else ([], reason)
             if reason is not None:
                 self._finish(req)
             self._emit(req, [token, *forced], reason, logprobs)
 
-    def _jump(self, req: Req) -> tuple[list[int], dict | None]:
-        """Jump-forward (runtime/jump_forward.py): appends the tokens `req`'s grammar forces next;
-        they are computed by its next step, an extend. Not for requests that return log-probs
-        (each of their tokens keeps the log-prob of a model step)."""
-        if not self.jump_forward or req.grammar is None or req.return_logprob:
-            return [], None
-        forced, reason = jump(req, self.tokenizer, self.stop_checker, self.context_length)
-        self.counters["generation_tokens"] += len(forced)
-        self.counters["jump_forward_tokens"] += len(forced)
-        return forced, reason
-
     def _jump_first(self, req: Req) -> bool:
-        """The jump before a request's first token (computed with its prompt); True when that
-        finished the request (it leaves the queue)."""
-        forced, reason = self._jump(req)
+        """Jump-forward before a request's first token (its forced run is computed with its
+        prompt); True when that finished the request (it leaves the queue)."""
+        forced, reason = self.jump(req)
         if reason is not None:
             self.waiting.remove(req)
             self.queue_version += 1
