@@ -5,7 +5,8 @@ while the host builds the batch, checks stops and emits. With it (`Scheduler.ste
 `disable_overlap_schedule`; on CPU with `enable_overlap_schedule`, for the tests: no speedup there)
 a step's results are applied one `step()` later:
 
-- A step that follows a decode step of the whole running set, with nothing admittable waiting
+- A step that follows a decode step of the whole running set (or an extend of every running
+  request's forced run or next token: jump-forward), with nothing admittable waiting
   (an empty queue, a full batch, or a queue the last `schedule()` could not admit from with no
   arrival, finish, abort or retraction since), is the *continuation*: the same requests (less
   those whose step-t token is their last by length) decode the next position, reading their
@@ -136,9 +137,11 @@ class OverlapLoop:
         """The decode step after `prev` for the same requests, planned before prev's tokens reach
         the host, with the positions in prev of its requests; None when the batch would change."""
         s, plan = self.sched, prev.plan
-        if plan.mode != "decode" or plan.loads is not None or len(plan.reqs) != len(s.running) or not all(plan.sample):
+        if plan.loads is not None or len(plan.reqs) != len(s.running) or not all(plan.sample):
             return None  # loads None: no request of the plan (= all running) waits on a load-back; a
             # request that did not sample jumped forward: its forced run is computed by an extend
+        if plan.mode != "decode" and any(start < len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
+            return None  # a prefill step; an extend of forced runs and decoding requests continues
         if s.waiting and s.policy.admits_more(len(s.running)) and not self._still_blocked():
             return None  # admission may change the batch
         return s.continue_decode(plan)

@@ -308,16 +308,17 @@ class Scheduler:
         return plan if plan.reqs else None
 
     def continue_decode(self, plan: BatchPlan) -> tuple[BatchPlan, list[int]] | None:
-        """For overlap scheduling: the decode step after the launched decode step `plan`, for the
-        same requests less those whose token from `plan` is their last by length, with their
-        positions in `plan`; None when nothing would continue or a slot cannot be had without
-        retracting (no retraction while a step is in flight)."""
+        """For overlap scheduling: the decode step after the launched step `plan` (a decode step, or
+        an extend whose every request samples), for the same requests less those whose token from
+        `plan` is their last by length, with their positions in `plan`; None when nothing would
+        continue or a slot cannot be had without retracting (no retraction while a step is in
+        flight)."""
         self.poll_transfers()  # retracts only requests with load-backs in flight: none here
         keep = [i for i, r in enumerate(plan.reqs)
                 if not self.stop_checker.length_reached(r, self.context_length, 1)]
         if not keep:
             return None
-        reqs, starts = [plan.reqs[i] for i in keep], [plan.starts[i] + 1 for i in keep]
+        reqs, starts = [plan.reqs[i] for i in keep], [plan.starts[i] + plan.extend_lens[i] for i in keep]
         if not self.cache.grow_all([r.lease for r in reqs], [s + 1 for s in starts]):
             return None
         return BatchPlan("decode", reqs, starts, [1] * len(keep), [True] * len(keep)), keep
