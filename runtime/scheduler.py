@@ -218,7 +218,7 @@ class Scheduler:
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
-        if any(start >= len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
+        if after is None and any(start >= len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
             self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests
         self._admit_waiting(plan, budget, after)
         return plan if plan.reqs else None
