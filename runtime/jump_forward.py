@@ -62,7 +62,8 @@ def jump(req: Req, tokenizer: Any, stops: StopChecker, context_length: int) -> t
     if not text:
         return [], None
     forced: list[int] = []
-    for token in forced_tokens(tokenizer, req.all_ids[-JOIN_TOKENS:], text)[:-1][:room]:
+    tail = (req.input_ids[-JOIN_TOKENS:] + req.output_ids[-JOIN_TOKENS:])[-JOIN_TOKENS:]
+    for token in forced_tokens(tokenizer, tail, text)[:-1][:room]:
         if not grammar.try_accept(token):
             break
         req.output_ids.append(token)
