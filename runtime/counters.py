@@ -8,8 +8,9 @@ if TYPE_CHECKING:
 
 
 class Counters(dict):
-    """Counts since start: tokens computed and generated, prompt tokens served from each tier,
-    retractions, finished and aborted requests (a dict, so that a snapshot is a copy)."""
+    """Counts since start: tokens computed and generated (of which appended by jump-forward),
+    prompt tokens served from each tier, model steps applied, retractions, finished and aborted
+    requests (a dict, so that a snapshot is a copy)."""
 
     def __init__(self):
         super().__init__(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
