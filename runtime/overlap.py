@@ -140,7 +140,8 @@ class OverlapLoop:
         if plan.loads is not None or len(plan.reqs) != len(s.running) or not all(plan.sample):
             return None  # loads None: no request of the plan (= all running) waits on a load-back; a
             # request that did not sample jumped forward: its forced run is computed by an extend
-        if plan.mode != "decode" and any(start < len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
+        if plan.mode != "decode" and not (plan.joined and all(start >= len(r.input_ids)
+                                                              for r, start in zip(plan.reqs, plan.starts))):
             return None  # a prefill step; an extend of forced runs and decoding requests continues
         if s.waiting and s.policy.admits_more(len(s.running)) and not self._still_blocked():
             return None  # admission may change the batch

@@ -219,7 +219,8 @@ class Scheduler:
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
-        if after is None and any(start >= len(r.input_ids) for r, start in zip(plan.reqs, plan.starts)):
+        if after is None and any(r.grammar is not None and start >= len(r.input_ids)
+                                 for r, start in zip(plan.reqs, plan.starts)):
             self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests
         self._admit_waiting(plan, budget, after)
         return plan if plan.reqs else None
@@ -300,6 +301,7 @@ class Scheduler:
         not in it join it as chunks of one token, where a slot is free without retracting (it
         holds requests of any arrival)."""
         plan = extend or BatchPlan("decode", [], [], [], [])
+        plan.joined = extend is not None
         planned = {id(r) for r in plan.reqs}
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
             if id(req) not in planned and req in self.running and req.kv_len == req.seq_len - 1:
@@ -376,7 +378,7 @@ class Scheduler:
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
-            if plan.mode == "extend" and plan.starts[i] < len(req.input_ids):
+            if plan.mode == "extend" and not (plan.joined and plan.starts[i] >= len(req.input_ids)):
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
                 req.input_logprobs.extend(out.input_logprobs[i] or ())
             token = out.next_ids[i]
