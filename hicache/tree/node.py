@@ -37,7 +37,7 @@ class TreeNode:
         self.host_pin = 0  # in-flight transfers reading or writing host_slots
         self.last_access = 0  # logical clock of the last match/insert through this node
         self.hit_count = 0  # inserts that found this node already present
-        self.last_use = 0  # the tree's use clock (one tick per insert) at the last insert through this node
+        self.last_use = 0  # the tree's use clock (one tick per insert) at the last insert through it (0: none yet)
         self.reuse_gap = 0.0  # smoothed use-clock ticks between its inserts (0: never reused; see eviction.py)
         self.stale = False  # device copy not trusted (its load failed): never matched, dropped when unlocked
         # L3 keys (hex, docs/formats.md) of this node's pages, chained from the parent's last key; filled by

@@ -112,7 +112,9 @@ class RadixTree(Residency):
         for node in self._walk_prefix(root, tokens):
             node.last_access = now
             node.hit_count += 1
-            node.reuse_gap, node.last_use = smoothed_gap(node.reuse_gap, use - node.last_use), use
+            if node.last_use:  # (a node fetched from L3 has none: its first insert is no reuse)
+                node.reuse_gap = smoothed_gap(node.reuse_gap, use - node.last_use)
+            node.last_use = use
             if node.device_slots is None:  # host-only: everything below is too (closure)
                 present = pos if present is None else present
                 self._set_device(node, slots[pos:pos + len(node.key)].clone())
@@ -148,7 +150,7 @@ class RadixTree(Residency):
         self._leaves.discard(node)
         self._leaves.add(leaf)
         self.attach_host(leaf, host_slots[pos - start:].clone())
-        leaf.last_access, leaf.last_use = now, self.use_clock.now
+        leaf.last_access = now
         return pos - start
 
     def path(self, token_ids: Sequence[int], namespace: str = "") -> list[TreeNode]:
