@@ -23,8 +23,9 @@ def later(rates: list[float]) -> tuple[float, float]:
     return sum(rates[1:]) / len(rates[1:]), min(rates[1:])
 
 
-def test_default_keeps_a_stable_subset_where_recency_collapses():
-    w = WORKLOADS["cyclic-64"]
+@pytest.mark.parametrize("name", ["cyclic-64", "cyclic-64-long-first"])
+def test_default_keeps_a_stable_subset_where_recency_collapses(name):
+    w = WORKLOADS[name]
     assert sim.working_set(w) * w.l2 < sum(q.prompt + q.answer for q in w.rounds[0]), "round 0 must overflow L2"
     best, lru, aging = (sim.play(p, w) for p in (DEFAULT, "lru", "lfu_aging"))
     print(f"hit rate by round: {DEFAULT} {[round(r, 2) for r in best]}, lru {[round(r, 2) for r in lru]}, "
