@@ -123,7 +123,7 @@ class RadixTree(Residency):
             continued = len(node.children) <= 1 and node.parent is not None  # a path extended, not a shared prefix
             leaf = self._add_leaf(node, tuple(tokens[pos:aligned]), slots[pos:aligned].clone())
             leaf.last_access, leaf.last_use = now, use
-            if continued:
+            if continued and node.reuse_gap:
                 leaf.reuse_gap = node.reuse_gap
                 self.use_clock.record(node.reuse_gap)
         return pos if present is None else present
