@@ -129,7 +129,9 @@ class RankGroup:
         self.check()
         frame = msgpack.packb(msg)
         for sock in self.outs:
-            sock.send(frame)
+            while not _try_send(sock, frame):  # no follower connected: it died, or is not up yet
+                self.check()
+                time.sleep(0.001)
 
     def call(self, msg: list) -> list:
         """`send`, then each follower's reply, in rank order."""
@@ -186,7 +188,7 @@ class RankGroup:
         if self.failed is None:
             frame = msgpack.packb(["stop"])
             for sock in self.outs:
-                sock.send(frame)
+                _try_send(sock, frame)  # at worst not sent: the follower is killed below
         _stop(self.procs, STOP_TIMEOUT_S)
         for sock in [*self.outs, self.inbox]:
             sock.close(0)
@@ -194,6 +196,14 @@ class RankGroup:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
 
 
 def _free_port() -> int:

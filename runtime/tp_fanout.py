@@ -88,6 +88,7 @@ class TransferFanout:
 
     def __init__(self, local, ranks: RankGroup):
         self.local, self.ranks = local, ranks
+        self._loads_held = False  # loads sent since the last start_loads
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int:
         self.ranks.send(["backup", pack_slots(device_slots), pack_slots(host_slots)])
@@ -96,10 +97,13 @@ class TransferFanout:
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer: Callable | None = None,
              skip: int = 0) -> int:
         self.ranks.send(["load", pack_slots(host_slots), pack_slots(device_slots), skip])
+        self._loads_held = True
         return self.local.load(host_slots, device_slots, on_layer, skip)
 
     def start_loads(self) -> None:
-        self.ranks.send(["start_loads"])
+        if self._loads_held:
+            self.ranks.send(["start_loads"])
+            self._loads_held = False
         self.local.start_loads()
 
     def synchronize(self, ticket: int) -> None:

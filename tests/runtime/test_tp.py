@@ -6,16 +6,22 @@
   ranks). Greedy outputs equal an uncached TP=1 scheduler's; integrity holds after every step.
 - Presence is the AND over the ranks: with the follower's LMDB pages of one prompt deleted, that
   prompt is recomputed, the others still come from storage.
+- A follower killed under a running `Engine`: its callers get an error naming the rank, and
+  shutdown leaves no process behind.
 - The fan-out's combining rules with a follower that fails (a fake rank group injects the fault): a
   transfer or an L3 operation failed on one rank is failed for all; L3 hits are the least.
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
 
+from hicache import Engine
 from hicache.config import HiCacheConfig
 from hicache.pagekey import page_keys
 from hicache.runtime.build import build_scheduler
@@ -82,6 +88,7 @@ def test_tp2_matches_tp1_through_retraction_load_back_and_prefetch(tp2, prompts,
     sched = tp2
     got, _ = run(sched, prompts[0], "a")
     assert got == want[0] and sched.stats()["retractions"] > 0
+    assert sched.overlap.continued > 0 and sched.overlap.ahead > 0  # input ids broadcast from the device
     got, meta = run(sched, prompts[1], "b")
     assert got == want[1]
     assert all(m["cached_tokens_details"]["host"] == 56 for m in meta), meta
@@ -106,6 +113,21 @@ def _drop_follower_pages(sched, tokens: list[int]) -> None:
         for k in raw:
             txn.delete(k)
     assert len(raw) == len(keys)
+
+
+def test_a_killed_follower_fails_the_engine_and_leaves_no_process(tiny_config_path):
+    engine = Engine(str(tiny_config_path), load_format="dummy", tp_size=2, max_total_tokens=1024,
+                    hicache_storage_backend="memory")
+    (follower,) = engine.scheduler.runner.ranks.procs
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=2))["output_ids"]
+    os.kill(follower.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError) as failure:
+        for _ in range(50):
+            engine.generate(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, max_new_tokens=2))
+            time.sleep(0.1)
+    assert "tensor-parallel rank 1" in str(failure.value.__cause__)
+    engine.shutdown()
+    assert follower.poll() == -signal.SIGKILL
 
 
 # ---- the combining rules, with a fault injected on the follower's side ----------------------
