@@ -95,6 +95,9 @@ class RankGroup:
     @classmethod
     def start(cls, rc, cc) -> RankGroup:
         """Spawns ranks 1..tp_size-1 for `rc`, `cc` (the config dataclasses) and joins them."""
+        if torch.distributed.is_initialized():
+            raise ValueError("tp_size: this process already runs a tensor-parallel group (one engine with "
+                             "tp_size > 1 per process)")
         size = rc.tp_size
         folder = tempfile.mkdtemp(prefix="hicache-tp-")  # 0700: only this user reaches the sockets
         address = f"127.0.0.1:{_free_port()}"
