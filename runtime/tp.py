@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -60,13 +61,24 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if resolved.type == "cuda" else str(resolved)
 
 
-def init_group(rank: int, size: int, address: str, device: str) -> TensorParallel:
-    """Joins the process group (rank 0 hosts the rendezvous) and returns this rank's view of it."""
+def join_group(rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None
+               ) -> TensorParallel:
+    """Joins the process group through the TCP store that rank 0 hosts on 127.0.0.1:`port`, and
+    returns this rank's view of it. Rank 0 first waits until every follower has reached the store,
+    calling `waiting()` meanwhile (which raises once a follower has died)."""
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout,
+                                       wait_for_workers=False)
+    if rank == 0:
+        while not store.check([f"rank{r}" for r in range(1, size)]):
+            waiting()
+            time.sleep(0.05)
+    else:
+        store.set(f"rank{rank}", "up")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    torch.distributed.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
-                                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TensorParallel(rank, size, torch.distributed.group.WORLD)
 
 
@@ -98,27 +110,27 @@ class RankGroup:
         if torch.distributed.is_initialized():
             raise ValueError("tp_size: this process already runs a tensor-parallel group (one engine with "
                              "tp_size > 1 per process)")
-        size = rc.tp_size
+        size, device = rc.tp_size, rank_device(rc.device, 0)
+        if device.startswith("cuda") and size > torch.cuda.device_count():
+            raise ValueError(f"tp_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         folder = tempfile.mkdtemp(prefix="hicache-tp-")  # 0700: only this user reaches the sockets
-        address = f"127.0.0.1:{_free_port()}"
+        port = _free_port()
         procs = []
+        for rank in range(1, size):
+            proc = subprocess.Popen([sys.executable, "-m", "hicache.runtime.tp_worker"], stdin=subprocess.PIPE)
+            procs.append(proc)
+            config = {"rc": dataclasses.asdict(rc), "cc": dataclasses.asdict(cc), "rank": rank, "size": size,
+                      "port": port, "folder": folder}
+            data = msgpack.packb(config)
+            proc.stdin.write(struct.pack(">I", len(data)) + data)
+            proc.stdin.flush()  # stdin stays open: its end-of-file tells the follower that rank 0 is gone
+        group = cls(TensorParallel(0, size), procs, folder)
         try:
-            for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "hicache.runtime.tp_worker"], stdin=subprocess.PIPE)
-                config = {"rc": dataclasses.asdict(rc), "cc": dataclasses.asdict(cc), "rank": rank, "size": size,
-                          "address": address, "folder": folder}
-                data = msgpack.packb(config)
-                proc.stdin.write(struct.pack(">I", len(data)) + data)
-                proc.stdin.flush()  # stdin stays open: its end-of-file tells the follower that rank 0 is gone
-                procs.append(proc)
-            group = cls(TensorParallel(0, size), procs, folder)
-            tp = init_group(0, size, address, rank_device(rc.device, 0))
-            group.tp = tp
-            return group
+            group.tp = join_group(0, size, port, device, group.check)
         except BaseException:
-            _stop(procs)
-            shutil.rmtree(folder, ignore_errors=True)
+            group.close()
             raise
+        return group
 
     # ---- the channel ----------------------------------------------------------------------
 
