@@ -101,6 +101,7 @@ class RankGroup:
         self.failed: str | None = None
         self.l3_results: list[list] = []  # [rank, ticket, kind, ok, pages, skipped, error] as followers report them
         self._stopping = False
+        self._lock = threading.Lock()
         self._watcher = threading.Thread(target=self._watch, name="hicache-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -185,15 +186,24 @@ class RankGroup:
     # ---- life ----------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._stopping:
+        while not self._stopping and not self._died():
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _died(self) -> bool:
+        """Whether a follower has exited; the first time, records it in `failed` and kills the others."""
+        with self._lock:
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
-                if code is not None and not self._stopping:
+                if code is not None and self.failed is None and not self._stopping:
                     self.failed = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
                     logger.error("%s; stopping the other ranks", self.failed)
                     _stop(self.procs, timeout=0)
-                    return
-            time.sleep(WATCH_INTERVAL_S)
+            return self.failed is not None
+
+    def check_now(self) -> None:
+        """`check`, looking at the followers first: after a collective failed, names the rank that died."""
+        self._died()
+        self.check()
 
     def close(self) -> None:
         """Stops the followers (killing those that do not exit) and leaves the process group."""

@@ -67,9 +67,13 @@ class TPModelRunner(ModelRunner):
         loads = sorted(plan.loads.tickets) if plan.loads is not None else None
         self.ranks.send(["plan", plan.mode, [r.row for r in plan.reqs], plan.starts, plan.extend_lens, plan.sample,
                          ids, self.req_table.take(), loads, None if self._rows is None else list(self._rows)])
-        if input_ids is not None:
-            self.ranks.broadcast(input_ids)
-        return super().forward(plan, input_ids)
+        try:
+            if input_ids is not None:
+                self.ranks.broadcast(input_ids)
+            return super().forward(plan, input_ids)
+        except RuntimeError:  # a collective whose peer died: say which rank
+            self.ranks.check_now()
+            raise
 
     def prompt_rows(self, plan: BatchPlan) -> prompt_logprobs.PromptRows | None:
         return self._rows
