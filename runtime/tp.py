@@ -4,8 +4,8 @@ them, noticing when one dies, stopping them.
 Rank 0 is the process that runs the scheduler. `RankGroup.start` spawns ranks 1..N-1
 (`python -m hicache.runtime.tp_worker`, configured through their stdin, which they also watch: a
 follower exits when rank 0 goes away, however it went), joins them in a `torch.distributed` process
-group (NCCL on CUDA, gloo on CPU; a tcp rendezvous on 127.0.0.1) for the collectives inside the
-forward pass, and opens one ZMQ PUSH socket per follower (ipc, in a private 0700 directory) for the
+group (NCCL on CUDA, gloo on CPU; they meet at a TCP store rank 0 hosts on 127.0.0.1) for the
+collectives inside the forward pass, and opens one ZMQ PUSH socket per follower (ipc, in a private 0700 directory) for the
 fan-out (runtime/tp_fanout.py) and one PULL socket for what followers send back. Every frame is
 msgpack, never pickle. A watcher thread polls the followers; once one has exited, `check()` raises
 `RankFailed` (the scheduler's loop dies with it: the server answers 503 and exits) and the others
@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import logging
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -61,14 +60,18 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if resolved.type == "cuda" else str(resolved)
 
 
-def join_group(rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None
-               ) -> TensorParallel:
-    """Joins the process group through the TCP store that rank 0 hosts on 127.0.0.1:`port`, and
-    returns this rank's view of it. Rank 0 first waits until every follower has reached the store,
-    calling `waiting()` meanwhile (which raises once a follower has died)."""
-    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-    store = torch.distributed.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout,
-                                       wait_for_workers=False)
+def rendezvous(rank: int, size: int, port: int = 0) -> torch.distributed.TCPStore:
+    """The TCP store the ranks meet at: rank 0 hosts it on 127.0.0.1 (a port the system picks), the
+    followers reach it at `port`."""
+    return torch.distributed.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
+                                      timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
+
+
+def join_group(store: torch.distributed.TCPStore, rank: int, size: int, device: str,
+               waiting: Callable[[], None] | None = None) -> TensorParallel:
+    """Joins the process group through `store` and returns this rank's view of it. Rank 0 first
+    waits until every follower has reached the store, calling `waiting()` meanwhile (which raises
+    once a follower has died)."""
     if rank == 0:
         while not store.check([f"rank{r}" for r in range(1, size)]):
             waiting()
@@ -78,7 +81,8 @@ def join_group(rank: int, size: int, port: int, device: str, waiting: Callable[[
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     return TensorParallel(rank, size, torch.distributed.group.WORLD)
 
 
@@ -115,19 +119,19 @@ class RankGroup:
         if device.startswith("cuda") and size > torch.cuda.device_count():
             raise ValueError(f"tp_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
         folder = tempfile.mkdtemp(prefix="hicache-tp-")  # 0700: only this user reaches the sockets
-        port = _free_port()
+        store = rendezvous(0, size)
         procs = []
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", "hicache.runtime.tp_worker"], stdin=subprocess.PIPE)
             procs.append(proc)
             config = {"rc": dataclasses.asdict(rc), "cc": dataclasses.asdict(cc), "rank": rank, "size": size,
-                      "port": port, "folder": folder}
+                      "port": store.port, "folder": folder}
             data = msgpack.packb(config)
             proc.stdin.write(struct.pack(">I", len(data)) + data)
             proc.stdin.flush()  # stdin stays open: its end-of-file tells the follower that rank 0 is gone
         group = cls(TensorParallel(0, size), procs, folder)
         try:
-            group.tp = join_group(0, size, port, device, group.check)
+            group.tp = join_group(store, 0, size, device, group.check)
         except BaseException:
             group.close()
             raise
@@ -229,12 +233,6 @@ def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
         return True
     except zmq.Again:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(procs: list[subprocess.Popen], timeout: float = STOP_TIMEOUT_S) -> None:

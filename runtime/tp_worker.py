@@ -25,7 +25,7 @@ from hicache.runtime.batch import BatchPlan
 from hicache.runtime.build import RankParts, build_rank, storage_on, storage_worker
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.runner import ModelRunner
-from hicache.runtime.tp import join_group, rank_device, unpack_slots
+from hicache.runtime.tp import join_group, rank_device, rendezvous, unpack_slots
 
 logger = logging.getLogger("hicache.tp_worker")
 
@@ -186,7 +186,7 @@ def main() -> None:
     rc, cc = RuntimeConfig(**config["rc"]), HiCacheConfig(**config["cc"])
     if rank_device(rc.device, rank) == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, torch.get_num_threads() // size))  # the ranks share the cores
-    tp = join_group(rank, size, config["port"], rank_device(rc.device, rank))
+    tp = join_group(rendezvous(rank, size, config["port"]), rank, size, rank_device(rc.device, rank))
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(f"ipc://{config['folder']}/to{rank}")
