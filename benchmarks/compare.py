@@ -19,6 +19,9 @@ per configuration, and writes under `--out` (default `benchmarks/results/`): `NA
 the latest line of each configuration in `NAME.jsonl`, so configurations can be run in separate
 invocations (`--configs ...`; `--l3-path` keeps the LMDB folder for a later `L3-warm`).
 
+The no-reuse workload (what the cache machinery costs when nothing can hit) is multiturn with one
+round: every prompt is fresh random tokens (`-- --num-rounds 1 --num-clients 64`).
+
 Workload options after the compare options go to `multiturn.py` (or `long_context.py` with
 `--workload long_context`); `--url` and `--log-file` are set here. The CPU comparison of
 benchmarks/RESULTS.md:

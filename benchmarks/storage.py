@@ -92,8 +92,11 @@ def mooncake_bandwidth(args) -> dict:
         master = MooncakeMaster(Path(folder))
         master.start()
         try:
-            options = {**master.options, "global_segment_mb": args.mooncake_segment_mb, "local_buffer_mb": 1024}
-            return bandwidth("mooncake", options, args.batches)
+            layers, heads, dim, dtype = SHAPES[args.shape]
+            batch_mb = args.batch_pages * 2 * layers * heads * dim * PAGE * dtype.itemsize >> 20
+            options = {**master.options, "global_segment_mb": args.mooncake_segment_mb,
+                       "local_buffer_mb": max(1024, 2 * batch_mb)}  # a batch's reads land in this buffer
+            return bandwidth("mooncake", options, args.batches, args.shape, args.batch_pages)
         finally:
             master.stop()
 

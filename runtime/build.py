@@ -15,7 +15,7 @@ from hicache.runtime.default_model import hicache_home
 from hicache.runtime.attention import AttentionBackend, make_attention
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
-from hicache.runtime.parallel import TensorParallel
+from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.runner import ModelRunner
 from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.tp import RankGroup, rank_device
@@ -65,7 +65,7 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
     """The scheduler's parts; with `tp_size` > 1 this process is rank 0 and starts the others
     (runtime/tp.py), whose parts it drives through stand-ins (runtime/tp_fanout.py)."""
     if rc.tp_size == 1:
-        return assemble(rc, cc, build_rank(rc, cc, TensorParallel(), ReqToTokenTable), None)
+        return assemble(rc, cc, build_rank(rc, cc, SINGLE, ReqToTokenTable), None)
     ranks = RankGroup.start(rc, cc)
     try:
         return assemble(rc, cc, build_rank(rc, cc, ranks.tp, JournaledReqTable), ranks)
@@ -78,18 +78,18 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     """This rank's model share, L1 pool, request table, L2 pool and transfer engine, and the
     attention backend. Sizes that depend on free memory are the least over the ranks."""
     device = rank_device(rc.device, tp.rank) if tp.sharded else rc.device
-    loaded = load_model(rc.model_path, rc.load_format, rc.dtype, device, rc.random_seed)
-    cfg = loaded.config
+    loaded = load_model(rc.model_path, rc.load_format, rc.dtype, device, rc.random_seed, tp)
+    cfg, heads = loaded.config, loaded.num_kv_heads
     device = next(loaded.model.parameters()).device
     dtype = next(loaded.model.parameters()).dtype
-    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size), device)
+    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads), device)
     if num_tokens < cc.page_size:
         raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
     context = served_context(rc.context_length or cfg.max_position_embeddings, num_tokens)
-    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.head_dim, dtype, device)
     pages_per_req = -(-context // cc.page_size)
     req_table = table_class(rc.max_running_requests, pages_per_req * cc.page_size, device)
-    host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
+    host_pool = build_host_pool(cc, pool, cfg, dtype, heads) if cc.hierarchical else None
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
@@ -135,10 +135,12 @@ def storage_on(cc: HiCacheConfig, host_pool: HostKVPool | None) -> bool:
     return bool(cc.storage) and host_pool is not None and not cc.disable_radix_cache
 
 
-def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype) -> HostKVPool:
-    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM)."""
+def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype,
+                    kv_heads: int) -> HostKVPool:
+    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM),
+    of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
-    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype,
                       cc.hicache_mem_layout)
     logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
@@ -151,7 +153,7 @@ def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig,
     """L3: the backend named by `hicache_storage_backend`, its I/O worker over the host pool, and
     the page-key namespace (docs/formats.md: model, KV dtype, page size, layout, TP rank and size);
     with `ranks`, every rank's worker behind one `StorageFanout`."""
-    worker, seed, options, where = storage_worker(cc, rc, loaded, host_pool, ranks.tp if ranks else TensorParallel())
+    worker, seed, options, where = storage_worker(cc, rc, loaded, host_pool, ranks.tp if ranks else SINGLE)
     cache.attach_storage(worker if ranks is None else StorageFanout(worker, ranks), seed, options,
                          cc.hicache_storage_backend)
     logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
@@ -184,13 +186,13 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   page_size: int) -> int:
-    """L1 size in tokens: `max_total_tokens` when given, else `mem_fraction_static` of the device
-    memory minus what is already used (on CPU: of available RAM, page cache included, capped at
-    CPU_KV_CAP_BYTES)."""
+                   page_size: int, kv_heads: int) -> int:
+    """L1 size in tokens of `kv_heads` heads (this rank's): `max_total_tokens` when given, else
+    `mem_fraction_static` of the device memory minus what is already used (on CPU: of available
+    RAM, page cache included, capped at CPU_KV_CAP_BYTES)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
-    per_token = DeviceKVPool.token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_token = DeviceKVPool.token_bytes(cfg.num_layers, kv_heads, cfg.head_dim, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)

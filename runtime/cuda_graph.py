@@ -38,7 +38,7 @@ class DecodeGraphs:
         self.sizes = sorted({b for b in BUCKETS if b < max_batch} | {min(max_batch, BUCKETS[-1])})
         self.inputs = torch.zeros((3, self.sizes[-1]), dtype=torch.int64, device=device)  # ids, rows, seq_lens
         self.inputs[2].fill_(1)
-        self.states = {bs: attn.capture_state(bs, self.sizes[-1], model.config.num_heads, pool, req_table)
+        self.states = {bs: attn.capture_state(bs, self.sizes[-1], model.num_heads, pool, req_table)
                        for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}

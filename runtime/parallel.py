@@ -58,3 +58,6 @@ class TensorParallel:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         torch.distributed.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+
+SINGLE = TensorParallel()  # one process: the default of every model and loader

@@ -5,8 +5,9 @@ Rank 0 is the process that runs the scheduler. `RankGroup.start` spawns ranks 1.
 (`python -m hicache.runtime.tp_worker`, configured through their stdin, which they also watch: a
 follower exits when rank 0 goes away, however it went), joins them in a `torch.distributed` process
 group (NCCL on CUDA, gloo on CPU; they meet at a TCP store rank 0 hosts on 127.0.0.1) for the
-collectives inside the forward pass, and opens one ZMQ PUSH socket per follower (ipc, in a private 0700 directory) for the
-fan-out (runtime/tp_fanout.py) and one PULL socket for what followers send back. Every frame is
+collectives inside the forward pass, and opens one ZMQ PUSH socket per follower (ipc, in a private
+0700 directory) for the fan-out (runtime/tp_fanout.py) and one PULL socket for what followers send
+back. Every frame is
 msgpack, never pickle. A watcher thread polls the followers; once one has exited, `check()` raises
 `RankFailed` (the scheduler's loop dies with it: the server answers 503 and exits) and the others
 are killed, so that no collective waits for them.

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
-from hicache.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RotaryEmbedding, _param, linear
+from hicache.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RotaryEmbedding, linear
+from hicache.runtime.models.sharding import vocab_embedding
+from hicache.runtime.parallel import SINGLE, TensorParallel
 
 _EXTRA_LAYER_NAMES = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 
@@ -54,8 +56,9 @@ class RotaryPair(nn.Module):
 class Gemma3Attention(LlamaAttention):
     """The shared attention (its config has `qk_norm`) with Gemma's (1 + weight) q/k norms."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
-        super().__init__(config, layer_id, dtype, device)
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
+        super().__init__(config, layer_id, dtype, device, tp)
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
 
@@ -66,23 +69,24 @@ class Gemma3Attention(LlamaAttention):
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         q, k = rope(positions, q, k)
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return linear(out.reshape(T, self.q_size), self.o_proj)
+        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj))
 
 
 class GegluMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
+        return self.reduced(linear(F.gelu(gate, approximate="tanh") * up, self.down_proj))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel):
         super().__init__()
         norm = lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
-        self.self_attn = Gemma3Attention(config, layer_id, dtype, device)
-        self.mlp = GegluMLP(config, dtype, device)
+        self.self_attn = Gemma3Attention(config, layer_id, dtype, device, tp)
+        self.mlp = GegluMLP(config, dtype, device, tp=tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, batch))
@@ -95,21 +99,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     NORM_INIT = 0.0  # weights/dummy.py: what norm weights of random models are set to
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TensorParallel = SINGLE):
         nn.Module.__init__(self)
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.init_common(config, dtype, device, tp)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryPair(config)
+        self.num_heads, self.num_kv_heads = self.layers[0].self_attn.num_heads, self.layers[0].self_attn.num_kv_heads
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))  # rounded to dtype, as HF
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
         """As LlamaForCausalLM.forward: [T] ids and positions -> [T, hidden] after the final norm."""
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        x = vocab_embedding(input_ids, self.embed_tokens, self.vocab, self.tp) * self.embed_scale
         for layer, window in zip(self.layers, self.config.layer_windows):
             x = layer(x, positions, self.rotary_emb.local if window else self.rotary_emb.full, batch)
         return self.norm(x)
@@ -124,8 +127,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         extra = {f"model.layers.{i}.{s}" for i in range(self.config.num_layers) for s in _EXTRA_LAYER_NAMES}
         return super().expected_weight_names() | extra
 
-    def _target(self, name: str) -> torch.Tensor | None:
+    def _target(self, name: str) -> tuple[torch.Tensor, tuple] | None:
         m = self._LAYER_RE.match(name)
         if m is None or int(m.group(1)) >= self.config.num_layers or m.group(2) not in _EXTRA_LAYER_NAMES:
             return super()._target(name)
-        return self.layers[int(m.group(1))].get_submodule(m.group(2).rsplit(".", 1)[0]).weight
+        return self.layers[int(m.group(1))].get_submodule(m.group(2).rsplit(".", 1)[0]).weight, ()

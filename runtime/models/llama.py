@@ -28,10 +28,8 @@ from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models.moe import SparseMoeBlock, covered_names, hf_name
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+from hicache.runtime.models.sharding import Index, fused_rows, index, scaled, sharded_param, take, vocab_embedding
+from hicache.runtime.parallel import SINGLE, TensorParallel
 
 
 @functools.cache
@@ -158,14 +156,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+    """Column-parallel q/k/v (this rank's query heads and the KV heads they read), row-parallel
+    o_proj summed over the ranks; the per-head q/k norms are whole on every rank."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype, device=device)
-        self.o_proj = _param(config.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if config.qkv_bias else None
+        self.layer_id, self.tp, self.head_dim = layer_id, tp, config.head_dim
+        heads, kv_heads = tp.shard(config.num_heads, "num_heads"), tp.kv_heads(config.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.stop - heads.start, kv_heads.stop - kv_heads.start
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_rows, kv_rows = scaled(heads, self.head_dim), scaled(kv_heads, self.head_dim)
+        blocks = [(config.q_size, q_rows), (config.kv_size, kv_rows), (config.kv_size, kv_rows)]
+        self.parts = {"q": index(tp, q_rows), "k": index(tp, kv_rows), "v": index(tp, kv_rows),
+                      "o": index(tp, slice(None), q_rows)}  # of the checkpoint's q/k/v/o_proj
+        fused = index(tp, fused_rows(blocks))
+        full_qkv = config.q_size + 2 * config.kv_size
+        self.qkv_proj = sharded_param((full_qkv, config.hidden_size), fused, dtype, device)
+        self.o_proj = sharded_param((config.hidden_size, config.q_size), self.parts["o"], dtype, device)
+        self.qkv_bias = sharded_param((full_qkv,), fused, dtype, device) if config.qkv_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
 
@@ -178,50 +187,78 @@ class LlamaAttention(nn.Module):
         q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return linear(out.reshape(T, self.q_size), self.o_proj)
+        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj))
+
+    def targets(self) -> dict[str, tuple[torch.Tensor, Index]]:
+        """`self_attn.<name>` -> (the parameter or the rows of a fused one it fills, the part of
+        the checkpoint tensor this rank reads)."""
+        table = {"o_proj.weight": (self.o_proj, self.parts["o"])}
+        for suffix, fused in (("weight", self.qkv_proj), ("bias", self.qkv_bias)):
+            if fused is not None:
+                table |= {f"{p}_proj.{suffix}": (part, self.parts[p])
+                          for p, part in zip("qkv", fused.split([self.q_size, self.kv_size, self.kv_size]))}
+        if self.q_norm is not None:
+            table |= {"q_norm.weight": (self.q_norm.weight, ()), "k_norm.weight": (self.k_norm.weight, ())}
+        return table
 
 
 class LlamaMLP(nn.Module):
+    """Column-parallel gate/up, row-parallel down_proj (this rank's share of the intermediate
+    dimension), summed over the ranks unless `reduce` is False (a shared expert, which the sparse
+    MLP sums with the routed experts)."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
-        self.intermediate_size = inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = _param(2 * inter, config.hidden_size, dtype=dtype, device=device)
-        self.down_proj = _param(config.hidden_size, inter, dtype=dtype, device=device)
+        full = intermediate_size or config.intermediate_size
+        part = tp.shard(full, "intermediate_size" if intermediate_size is None else "shared_expert_intermediate_size")
+        self.tp, self.reduce, self.intermediate_size = tp, reduce, part.stop - part.start
+        self.parts = {"gate": index(tp, part), "up": index(tp, part), "down": index(tp, slice(None), part)}
+        fused = index(tp, fused_rows([(full, part), (full, part)]))
+        self.gate_up_proj = sharded_param((2 * full, config.hidden_size), fused, dtype, device)
+        self.down_proj = sharded_param((config.hidden_size, full), self.parts["down"], dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
         if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
-            return linear(_cuda_kernels().silu_mul(gate_up), self.down_proj)
+            return self.reduced(linear(_cuda_kernels().silu_mul(gate_up), self.down_proj))
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        return self.reduced(linear(F.silu(gate) * up, self.down_proj))
+
+    def reduced(self, out: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(out) if self.reduce else out
 
     def weight_names(self) -> list[str]:
         return ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
 
-    def target(self, rest: str) -> torch.Tensor | None:
-        """The parameter (or the slice of one) that the tensor `mlp.<rest>` fills."""
-        i = self.intermediate_size
-        return {"gate_proj.weight": self.gate_up_proj[:i], "up_proj.weight": self.gate_up_proj[i:],
-                "down_proj.weight": self.down_proj}.get(rest)
+    def target(self, rest: str) -> tuple[torch.Tensor, Index] | None:
+        """(The parameter or the slice of one that the tensor `mlp.<rest>` fills, the part of it
+        this rank reads.)"""
+        i, p = self.intermediate_size, self.parts
+        return {"gate_proj.weight": (self.gate_up_proj[:i], p["gate"]),
+                "up_proj.weight": (self.gate_up_proj[i:], p["up"]),
+                "down_proj.weight": (self.down_proj, p["down"])}.get(rest)
 
 
-def make_mlp(config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def make_mlp(config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+             tp: TensorParallel = SINGLE) -> nn.Module:
     """A dense SwiGLU MLP, or the sparse MLP on the layers the MoE config names."""
     moe = config.moe
     if moe is None or not moe.is_sparse(layer_id):
-        return LlamaMLP(config, dtype, device)
-    shared = LlamaMLP(config, dtype, device, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-    return SparseMoeBlock(config, dtype, device, shared)
+        return LlamaMLP(config, dtype, device, tp=tp)
+    shared = (LlamaMLP(config, dtype, device, moe.shared_intermediate_size, tp=tp, reduce=False)
+              if moe.shared_intermediate_size else None)
+    return SparseMoeBlock(config, dtype, device, shared, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_id, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = make_mlp(config, layer_id, dtype, device)
+        self.mlp = make_mlp(config, layer_id, dtype, device, tp)
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,23 +270,37 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model. Parameters are created uninitialised (torch.empty) in `dtype` on `device`;
-    fill them with `load_weights` or a random init (weights/dummy.py). Norm weights start at 1."""
+    fill them with `load_weights` or a random init (weights/dummy.py). Norm weights start at 1.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    With `tp` of size > 1 the model holds this rank's share (models/sharding.py): its query and KV
+    heads (`num_heads`, `num_kv_heads`: what its KV pool and attention backend are sized for), its
+    share of every MLP's intermediate dimension and of the vocabulary (embedding and LM head)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.init_common(config, dtype, device, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config)
+        self.num_heads, self.num_kv_heads = self.layers[0].self_attn.num_heads, self.layers[0].self_attn.num_kv_heads
+
+    def init_common(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                    tp: TensorParallel) -> None:
+        """What every family sets first: config, dtype, device, tp and the vocabulary-parallel
+        embedding and LM head."""
+        self.config, self.dtype, self.device, self.tp = config, dtype, torch.device(device), tp
+        self.vocab = tp.shard(config.vocab_size, "vocab_size")
+        full = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = sharded_param(full, index(tp, self.vocab), dtype, device)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else sharded_param(
+            full, index(tp, self.vocab), dtype, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
         """input_ids, positions: [T] int64 (all requests' new tokens concatenated), on the model
         device. `batch.attn` is the attention backend. Returns [T, hidden] after the final norm."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = vocab_embedding(input_ids, self.embed_tokens, self.vocab, self.tp)
         normed = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
@@ -259,8 +310,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32, the whole vocabulary on every rank."""
+        return self.tp.all_gather(F.linear(hidden, self.lm_head)).float()
 
     # ---- weights -------------------------------------------------------------------------
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -268,15 +319,19 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (`model.layers.3.self_attn.q_proj.weight`, ...) into the fused
-        parameters, converting dtype and device. Returns the HF names it consumed; unknown names
-        (rotary inv_freq buffers, ...) are skipped. Call `check_loaded` afterwards."""
+        parameters, converting dtype and device. Tensors are whole (as in the checkpoint): torch
+        tensors, or lazy safetensors slices of which only this rank's part is read. Returns the
+        HF names it consumed; unknown names (rotary inv_freq buffers, ...) are skipped. Call
+        `check_loaded` afterwards."""
         loaded = set()
         experts = self.config.moe.num_experts if self.config.moe is not None else 0
         for name, tensor in weights:
             name = hf_name(name)
-            dst = self._target(name)
-            if dst is None:
+            found = self._target(name)
+            if found is None:
                 continue
+            dst, part = found
+            tensor = take(tensor, part)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
             dst.copy_(tensor)
@@ -302,31 +357,23 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
-    def _target(self, name: str) -> torch.Tensor | None:
-        """The parameter, or the rows of a fused one, that an HF tensor name fills."""
-        c = self.config
+    def _target(self, name: str) -> tuple[torch.Tensor, Index] | None:
+        """(The parameter, or the rows of a fused one, that an HF tensor name fills; the part of
+        the tensor this rank reads.)"""
+        vocab = index(self.tp, self.vocab)
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens
+            return self.embed_tokens, vocab
         if name == "lm_head.weight":
-            return None if c.tie_word_embeddings else self.lm_head
+            return None if self.config.tie_word_embeddings else (self.lm_head, vocab)
         if name == "model.norm.weight":
-            return self.norm.weight
+            return self.norm.weight, ()
         m = self._LAYER_RE.match(name)
-        if m is None or int(m.group(1)) >= c.num_layers:
+        if m is None or int(m.group(1)) >= self.config.num_layers:
             return None
         layer, rest = self.layers[int(m.group(1))], m.group(2)
         if rest.startswith("mlp."):
             return layer.mlp.target(rest[len("mlp."):])
-        attn = layer.self_attn
-        table = {
-            "input_layernorm.weight": layer.input_layernorm.weight,
-            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-            "self_attn.o_proj.weight": attn.o_proj,
-        }
-        for suffix, fused in (("weight", attn.qkv_proj), ("bias", attn.qkv_bias)):
-            if fused is not None:
-                table |= {f"self_attn.{p}_proj.{suffix}": part
-                          for p, part in zip("qkv", fused.split([c.q_size, c.kv_size, c.kv_size]))}
-        if attn.q_norm is not None:
-            table |= {"self_attn.q_norm.weight": attn.q_norm.weight, "self_attn.k_norm.weight": attn.k_norm.weight}
-        return table.get(rest)
+        if rest.startswith("self_attn."):
+            return layer.self_attn.targets().get(rest[len("self_attn."):])
+        return {"input_layernorm.weight": (layer.input_layernorm.weight, ()),
+                "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, ())}.get(rest)

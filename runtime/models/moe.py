@@ -24,6 +24,8 @@ from torch import nn
 
 from hicache.kernels.experts import moe_reference
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models.sharding import Index, fused_rows, index, sharded_param
+from hicache.runtime.parallel import SINGLE, TensorParallel
 
 _MIXTRAL = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|gate)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -63,20 +65,30 @@ def covered_names(name: str, num_experts: int) -> list[str]:
 
 
 class SparseMoeBlock(nn.Module):
+    """Under tensor parallelism every rank routes every token (the router is whole) and holds
+    its share of each expert's intermediate dimension, as of the shared expert's (which does not
+    reduce itself): one all-reduce sums the routed and shared partial outputs."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 shared: nn.Module | None = None):
+                 shared: nn.Module | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         moe = config.moe
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.num_experts, self.inter = moe.num_experts, moe.intermediate_size
-        h = config.hidden_size
+        self.top_k, self.norm_topk_prob, self.tp = moe.top_k, moe.norm_topk_prob, tp
+        full, h = moe.intermediate_size, config.hidden_size
+        part = tp.shard(full, "moe_intermediate_size")
+        self.num_experts, self.inter = moe.num_experts, part.stop - part.start
+        # parts of the checkpoint's per-expert [I, H] / [H, I] tensors, and of stacks of them
+        self.parts = {"rows": index(tp, part), "cols": index(tp, slice(None), part),
+                      "stack_rows": index(tp, slice(None), part),
+                      "stack_cols": index(tp, slice(None), slice(None), part),
+                      "stack_w13": index(tp, slice(None), fused_rows([(full, part), (full, part)]))}
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        def param(*shape: int, idx: Index = ()) -> nn.Parameter:
+            return sharded_param(shape, idx, dtype, device)
 
         self.gate = param(moe.num_experts, h)  # the router
-        self.w13 = param(moe.num_experts, 2 * moe.intermediate_size, h)
-        self.w2 = param(moe.num_experts, h, moe.intermediate_size)
+        self.w13 = param(moe.num_experts, 2 * full, h, idx=self.parts["stack_w13"])
+        self.w2 = param(moe.num_experts, h, full, idx=self.parts["stack_cols"])
         self.shared_expert = shared
         self.shared_expert_gate = param(1, h) if shared is not None else None
 
@@ -95,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         out = experts(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def weight_names(self) -> list[str]:
         names = ["gate.weight"] + [f"experts.{e}.{p}.weight" for e in range(self.num_experts)
@@ -104,21 +116,25 @@ class SparseMoeBlock(nn.Module):
             names += ["shared_expert_gate.weight"] + [f"shared_expert.{n}" for n in self.shared_expert.weight_names()]
         return names
 
-    def target(self, rest: str) -> torch.Tensor | None:
-        """The parameter (or the slice of one) that the tensor `mlp.<rest>` fills."""
-        i = self.inter
-        stacks = {"gate.weight": self.gate, "experts.gate_up_proj": self.w13, "experts.down_proj": self.w2,
-                  "experts.gate_proj": self.w13[:, :i], "experts.up_proj": self.w13[:, i:]}
+    def target(self, rest: str) -> tuple[torch.Tensor, Index] | None:
+        """(The parameter or the slice of one that the tensor `mlp.<rest>` fills, the part of it
+        this rank reads.)"""
+        i, p = self.inter, self.parts
+        stacks = {"gate.weight": (self.gate, ()), "experts.gate_up_proj": (self.w13, p["stack_w13"]),
+                  "experts.down_proj": (self.w2, p["stack_cols"]),
+                  "experts.gate_proj": (self.w13[:, :i], p["stack_rows"]),
+                  "experts.up_proj": (self.w13[:, i:], p["stack_rows"])}
         if rest in stacks:
             return stacks[rest]
         m = _EXPERT.match(rest)
         if m is not None and int(m.group(1)) < self.num_experts:
             e, proj = int(m.group(1)), m.group(2)
-            return {"gate_proj": self.w13[e, :i], "up_proj": self.w13[e, i:], "down_proj": self.w2[e]}[proj]
+            return {"gate_proj": (self.w13[e, :i], p["rows"]), "up_proj": (self.w13[e, i:], p["rows"]),
+                    "down_proj": (self.w2[e], p["cols"])}[proj]
         if self.shared_expert is None:
             return None
         if rest == "shared_expert_gate.weight":
-            return self.shared_expert_gate
+            return self.shared_expert_gate, ()
         if rest.startswith("shared_expert."):
             return self.shared_expert.target(rest[len("shared_expert."):])
         return None

@@ -1,8 +1,11 @@
-"""Weight loading: `load_model(model_path, load_format, dtype, device, seed) -> LoadedModel`.
+"""Weight loading: `load_model(model_path, load_format, dtype, device, seed, tp) -> LoadedModel`.
 
 Formats: `gguf` (a .gguf file), `safetensors` (an HF folder), `dummy` (random weights from a
 config.json file or folder). `auto` picks by path: a .gguf file, a folder with *.safetensors, or
 a folder with exactly one .gguf. `model_path=None` is the embedded default model (a GGUF).
+With a tensor-parallel `tp`, the model holds this rank's share and each checkpoint tensor is
+sliced to it as it streams in (safetensors read only that share; GGUF tensors are dequantised
+whole, then sliced; random weights are drawn whole, then sliced, so they match the unsharded model's).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tqdm.auto import tqdm
 from hicache.runtime.default_model import resolve_model_path
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models import LlamaForCausalLM, get_model_class
+from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,16 +34,23 @@ class LoadedModel(NamedTuple):
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer; None for dummy weights without tokenizer files
     path: Path
+    tp: TensorParallel = SINGLE  # the rank this model is the share of
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank holds: what its KV pools are sized for."""
+        return self.model.num_kv_heads
 
 
 def load_model(model_path: str | Path | None = None, load_format: str = "auto",
                dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               seed: int = 0) -> LoadedModel:
-    """Build our model and fill its weights. dtype/device also accept the RuntimeConfig strings
-    ("auto": cuda when present; float32 on CPU, bfloat16 on CUDA).
+               seed: int = 0, tp: TensorParallel = SINGLE) -> LoadedModel:
+    """Build our model (this rank's share of it under `tp`) and fill its weights. dtype/device
+    also accept the RuntimeConfig strings ("auto": cuda when present; float32 on CPU, bfloat16 on CUDA).
 
-    Raises FileNotFoundError for a missing path, ValueError for an unknown format or an
-    unsupported architecture, RuntimeError when the default model cannot be fetched.
+    Raises FileNotFoundError for a missing path, ValueError for an unknown format, an
+    unsupported architecture or a dimension `tp` cannot split, RuntimeError when the default
+    model cannot be fetched.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -52,18 +63,19 @@ def load_model(model_path: str | Path | None = None, load_format: str = "auto",
     t0 = time.perf_counter()
     tok_source = path
     if fmt == "dummy":
-        model, config = _load_dummy(path, dtype, device, seed)
+        model, config = _load_dummy(path, dtype, device, seed, tp)
     else:
         ckpt = _open_checkpoint(path, fmt)
         tok_source = getattr(ckpt, "path", path)
         config = ckpt.config
-        model = get_model_class(config.architecture)(config, dtype=dtype, device=device)
-        loaded = model.load_weights(_progress(ckpt.tensors(), ckpt.num_tensors, config.name))
+        model = get_model_class(config.architecture)(config, dtype=dtype, device=device, tp=tp)
+        tensors = ckpt.tensors(lazy=True) if fmt == "safetensors" and tp.sharded else ckpt.tensors()
+        loaded = model.load_weights(_progress(tensors, ckpt.num_tensors, config.name))
         model.check_loaded(loaded)
     model.eval()
     tokenizer = load_tokenizer(tok_source)
     logger.info("loaded %s (%s, %s, %s) in %.1f s", path, fmt, dtype, device, time.perf_counter() - t0)
-    return LoadedModel(model, config, tokenizer, path)
+    return LoadedModel(model, config, tokenizer, path, tp)
 
 
 def detect_format(path: Path) -> str:
@@ -117,11 +129,11 @@ def _open_checkpoint(path: Path, fmt: str):
     return SafetensorsCheckpoint(path)
 
 
-def _load_dummy(path: Path, dtype: torch.dtype, device: torch.device, seed: int):
+def _load_dummy(path: Path, dtype: torch.dtype, device: torch.device, seed: int, tp: TensorParallel):
     from hicache.runtime.weights.dummy import dummy_config, init_dummy
 
     config = dummy_config(path, seed)
-    model = get_model_class(config.architecture)(config, dtype=dtype, device=device)
+    model = get_model_class(config.architecture)(config, dtype=dtype, device=device, tp=tp)
     init_dummy(model, seed)
     return model, config
 

@@ -25,11 +25,16 @@ def dummy_config(path: str | Path, seed: int) -> ModelConfig:
 @torch.no_grad()
 def init_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Fill matrices and biases with N(0, INIT_STD); norm weights get the model's `NORM_INIT`
-    (default 1: a unit scale). Parameters are visited in registration order (a tied lm_head only once)."""
+    (default 1: a unit scale). Parameters are visited in registration order (a tied lm_head only
+    once); a tensor-parallel share is drawn at full size and sliced (models/sharding.py), so that
+    every rank holds its part of the unsharded model's weights."""
     gen = torch.Generator(device=model.device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() >= 2 or name.endswith("bias"):
+        if hasattr(p, "full_index"):
+            full = torch.empty(p.full_shape, dtype=p.dtype, device=p.device).normal_(0.0, INIT_STD, generator=gen)
+            p.copy_(full[p.full_index])
+        elif p.dim() >= 2 or name.endswith("bias"):
             p.normal_(0.0, INIT_STD, generator=gen)
         else:
             p.fill_(getattr(model, "NORM_INIT", 1.0))

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import Any, Iterator
 
 from hicache.runtime.model_config import ModelConfig
 
@@ -14,7 +12,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsCheckpoint:
-    """An HF folder: `config`, `num_tensors`, and `tensors()` yielding (hf_name, CPU tensor)."""
+    """An HF folder: `config`, `num_tensors`, and `tensors()` yielding (hf_name, CPU tensor), or
+    with `lazy` (hf_name, safetensors slice): indexing one reads only the bytes it selects."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -33,13 +32,13 @@ class SafetensorsCheckpoint:
                 total += len(list(sf.keys()))
         return total
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, lazy: bool = False) -> Iterator[tuple[str, Any]]:
         from safetensors import safe_open
 
         for f in self.files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    yield name, sf.get_slice(name) if lazy else sf.get_tensor(name)
 
 
 def shard_files(folder: Path) -> list[Path]:
