@@ -1,6 +1,7 @@
 """`hicache serve --tp-size 2` on the tiny random model (CPU, gloo): a follower rank killed while a
 stream runs ends that stream with a 503 error, then the server exits with code 3, and neither the
-scheduler process (rank 0) nor any follower is left behind. Slow (a server of three processes starts
+scheduler process (rank 0) nor any follower is left behind; a server stopped with SIGTERM after
+serving exits 0 and leaves no follower either. Slow (a server of three processes starts
 on two cores): the default suite kills the follower of an in-process Engine (tests/runtime/test_tp.py)."""
 from __future__ import annotations
 
@@ -66,4 +67,18 @@ def test_a_killed_follower_ends_the_server_and_leaves_no_process():
     deadline = time.monotonic() + 10
     while pid_alive(follower) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert not pid_alive(follower)
+
+
+@pytest.mark.slow
+def test_a_stopped_server_stops_its_followers():
+    handle = start_server(*FLAGS)
+    try:
+        (follower,) = children(handle.scheduler_pid)
+        r = httpx.post(handle.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+    finally:
+        code = handle.stop()
+    assert code == 0, handle.log_tail()
     assert not pid_alive(follower)
