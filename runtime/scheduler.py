@@ -136,6 +136,11 @@ class Scheduler:
         they land, so that their pins and stats settle without waiting for the next request."""
         return self.has_requests() or self.cache.busy()
 
+    def check_health(self) -> None:
+        """Raises when the runner's other processes failed (a tensor-parallel rank died): the loop
+        that steps the scheduler calls it between steps, so that an idle server notices too."""
+        self.runner.check_health()
+
     def step(self) -> list[TokenOutput]:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
         if self.overlap is not None:
