@@ -1,12 +1,15 @@
-"""GPU benchmark of the model families beyond Llama, on dummy weights (bf16), against their floors.
+"""GPU benchmark of model configs on dummy weights (bf16) against their floors, and of tensor parallelism.
 
     python benchmarks/gpu_models.py [--parts qwen3-8b,qwen3-30b-a3b,moe-kernel] [--floors floors.json]
                                     [--json out.json] [--decode-batches 1,64] [--context 2048]
-                                    [--overlap on|off] [--sweep]
+                                    [--overlap on|off] [--sweep] [--tp-size N]
 
-Parts: `qwen3-8b` and `qwen3-30b-a3b` (benchmarks/configs/<part>.json through the Engine: decode
-steps at each batch with `--context` tokens of context, CUDA graphs on, overlap scheduling as
-`--overlap` says, then an 8k prefill), `moe-kernel` (the fused MoE of one Qwen3-30B-A3B layer
+Parts: any config of benchmarks/configs (`qwen3-8b`, `qwen3-30b-a3b`, `llama-3.1-8b`,
+`llama-3.1-70b`, ...) through the Engine: decode steps at each batch with `--context` tokens of
+context, CUDA graphs on, overlap scheduling as `--overlap` says, then an 8k prefill; with
+`--tp-size N` the engine runs N ranks, one GPU each, and the floors are one rank's share (weights,
+KV and FLOPs divided by N; the all-reduces are not in them), so that TP scaling reads as the same
+ratio at N = 1 and N = 2 (`llama-3.1-70b` needs N = 2 on H200s); `moe-kernel` (the fused MoE of one Qwen3-30B-A3B layer
 alone, tokens routed uniformly at random, against the grouped-GEMM bound and the torch reference
 loop; `--sweep` also times a grid of launch shapes and prints the fastest for each token count).
 
@@ -76,13 +79,14 @@ def engine(config: Path, **options):
                   hicache_storage_backend="none", **options)
 
 
-def model_part(f: dict, name: str, batches: list[int], context: int, overlap: bool) -> dict:
+def model_part(f: dict, name: str, batches: list[int], context: int, overlap: bool, tp: int = 1) -> dict:
     config = CONFIGS / f"{name}.json"
     s, out, rng, steps = shape(config), {}, torch.Generator().manual_seed(0), 32
+    name = name if tp == 1 else f"{name} TP{tp}"
     row(f"{name}: parameters read by a decode step at batch 1", f"{s.decode_bytes(1, 0) / 2e9:.2f} B",
         f"active per token {s.active_params() / 1e9:.2f} B")
     with engine(config, max_running_requests=max(batches), chunked_prefill_size=8192, max_prefill_tokens=32768,
-                context_length=16384) as eng:
+                context_length=16384, tp_size=tp) as eng:
         set_overlap(eng, overlap)
         capacity = eng.get_stats()["tiers"]["device"]["capacity_tokens"]
         row(f"{name}: L1 pool", f"{capacity} tokens")
@@ -92,19 +96,20 @@ def model_part(f: dict, name: str, batches: list[int], context: int, overlap: bo
                 continue
             ps = prompts(batch, context, rng)
             eng.generate(input_ids=ps, sampling_params=greedy(1))
-            floor = s.decode_bytes(batch, context) / f["d2d_bytes_per_s"]
+            floor = s.decode_bytes(batch, context) / tp / f["d2d_bytes_per_s"]
             step = min(decode_step(eng, ps, steps) for _ in range(2))
-            replay = graph_replay(eng, batch)
-            out[f"decode_step_b{batch}_s"], out[f"decode_replay_b{batch}_s"] = step, replay
+            out[f"decode_step_b{batch}_s"] = step
             row(f"{name}: decode step, batch {batch}, context {context}", f"{step * 1e3:.2f} ms",
                 f"{step / floor:.2f}x the floor {floor * 1e3:.2f} ms")
-            row("  its graph replay alone", f"{replay * 1e3:.2f} ms", f"{replay / floor:.2f}x")
+            if tp == 1:  # (a rank's graph holds all-reduces: it cannot replay alone)
+                replay = out[f"decode_replay_b{batch}_s"] = graph_replay(eng, batch)
+                row("  its graph replay alone", f"{replay * 1e3:.2f} ms", f"{replay / floor:.2f}x")
         times = []
         for _ in range(3):
             p = prompts(1, 8192, rng)
             times.append(wall(lambda: eng.generate(input_ids=p, sampling_params=greedy(1))))
         t = statistics.median(times)
-        flops = 2 * s.active_params() * 8192 + s.attn_flops_per_pair * 8192 * 8193 / 2
+        flops = (2 * s.active_params() * 8192 + s.attn_flops_per_pair * 8192 * 8193 / 2) / tp
         out["prefill_8k_s"] = t
         row(f"{name}: prefill 8k tokens", f"{t * 1e3:.0f} ms",
             f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / f['gemm_flops']:.2f} of GEMM")
@@ -162,6 +167,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="tokens of context of each decoding request")
     ap.add_argument("--overlap", default="on", choices=("on", "off"), help="overlap scheduling of the model parts")
     ap.add_argument("--sweep", action="store_true", help="moe-kernel: also time a grid of launch shapes")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the model parts (one GPU each)")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print("| measure | value | vs floor |\n|---|---|---|")
@@ -176,7 +182,7 @@ def main() -> None:
         if part == "moe-kernel":
             results[part] = moe_kernel(f, sweep=args.sweep)
         else:
-            results[part] = model_part(f, part, batches, args.context, args.overlap == "on")
+            results[part] = model_part(f, part, batches, args.context, args.overlap == "on", args.tp_size)
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -14,6 +14,12 @@ alternate `--repeats` times; the best time of each counts. Prints both rates and
 commit: `--commit`, else git's HEAD, else "unknown"). `--profile` also prints, for each timed run,
 the scheduler thread's seconds in the parts of a step (wrappers around the calls named).
 
+`--compare-jump-forward` adds a second engine with `disable_jump_forward` and a third run, the
+same constrained requests there (alternating with the other two), and prints the constrained rate
+with jump-forward over the rate without it, and each run's model steps (`forward_steps`).
+`--long-keys` gives the schema's objects long property names (several tokens each: the text a
+grammar forces, which jump-forward appends without a model step per token).
+
 Dummy weights come with no tokenizer: the script then copies the config into a temporary folder
 beside the default model's tokenizer (its 49152 ids; the model's other ids are never allowed by a
 grammar, and decode to nothing).
@@ -35,11 +41,16 @@ from hicache import Engine
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def schema(min_items: int) -> dict:
+KEYS = ("name", "age", "role")
+LONG_KEYS = ("customer_full_legal_name", "customer_age_in_whole_years", "customer_account_access_role")
+
+
+def schema(min_items: int, keys: tuple[str, str, str] = KEYS) -> dict:
+    name, age, role = keys
     item = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]}}, "required": ["name", "age", "role"]}
+        name: {"type": "string", "maxLength": 16},
+        age: {"type": "integer", "minimum": 0, "maximum": 120},
+        role: {"enum": ["admin", "user", "guest"]}}, "required": list(keys)}
     return {"type": "array", "items": item, "minItems": min_items}
 
 
@@ -86,23 +97,25 @@ class StepProfile:
         return line
 
 
-def timed(engine: Engine, prompts: list[list[int]], runs: dict[str, dict], repeats: int,
+def timed(prompts: list[list[int]], runs: dict[str, tuple[Engine, dict]], repeats: int,
           profile: StepProfile | None = None) -> dict[str, tuple]:
-    """name -> (best seconds, output tokens of one run). The runs alternate, so that a noisy
-    machine slows both alike."""
-    for params in runs.values():  # warm-up (and the schema's compilation)
+    """name -> (best seconds, output tokens of one run, model steps of one run). The runs
+    alternate, so that a noisy machine slows them alike."""
+    for engine, params in runs.values():  # warm-up (and the schema's compilation)
         engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})
-    best = {name: (float("inf"), 0) for name in runs}
+    best = {name: (float("inf"), 0, 0) for name in runs}
     for _ in range(repeats):
-        for name, params in runs.items():
+        for name, (engine, params) in runs.items():
             if profile is not None:
                 profile.report(name)
+            steps = engine.get_stats()["forward_steps"]
             t0 = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             took = time.perf_counter() - t0
             if profile is not None:
                 print(f"{took:.3f} s, {profile.report(name)}")
-            best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs))
+            best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs),
+                          engine.get_stats()["forward_steps"] - steps)
     return best
 
 
@@ -119,35 +132,49 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "structured.jsonl"))
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD here, if any)")
     ap.add_argument("--profile", action="store_true", help="print where the scheduler thread's time goes")
+    ap.add_argument("--compare-jump-forward", action="store_true",
+                    help="also time the constrained run on an engine with disable_jump_forward")
+    ap.add_argument("--long-keys", action="store_true", help="long property names in the schema")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path
         if args.load_format == "dummy":
             path = with_default_tokenizer(path, Path(tmp), args.tokenizer)
         profile = StepProfile() if args.profile else None
-        engine = Engine(path, load_format=args.load_format, disable_hierarchical_cache=True)
+        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True, disable_jump_forward=off)
+                   for off in ([False, True] if args.compare_jump_forward else [False])]
         try:
-            run(engine, args, profile)
+            run(engines, args, profile)
         finally:
-            engine.shutdown()
+            for engine in engines:
+                engine.shutdown()
 
 
-def run(engine: Engine, args: argparse.Namespace, profile: StepProfile | None) -> None:
+def run(engines: list[Engine], args: argparse.Namespace, profile: StepProfile | None) -> None:
+    engine = engines[0]
     device = engine.scheduler.runner.device.type
     batch = args.batch or (64 if device == "cuda" else 8)
     vocab = engine.scheduler.model_config.vocab_size
     prompts = [[(17 + 31 * i + 7 * j) % min(vocab, 49152) for j in range(args.prompt_tokens)] for i in range(batch)]
     base = {"temperature": 0, "max_new_tokens": args.new_tokens}
-    got = timed(engine, prompts, {"free": {**base, "ignore_eos": True},
-                                  "json": {**base, "json_schema": schema(args.new_tokens)}}, args.repeats, profile)
-    (free_s, free_tokens), (json_s, json_tokens) = got["free"], got["json"]
-    free_rate, json_rate = free_tokens / free_s, json_tokens / json_s
+    constrained = {**base, "json_schema": schema(args.new_tokens, LONG_KEYS if args.long_keys else KEYS)}
+    runs = {"free": (engine, {**base, "ignore_eos": True}), "json": (engine, constrained)}
+    if len(engines) > 1:
+        runs["json_no_jump"] = (engines[1], constrained)
+    got = timed(prompts, runs, args.repeats, profile)
+    rates = {name: tokens / seconds for name, (seconds, tokens, _) in got.items()}
+    free_rate, json_rate = rates["free"], rates["json"]
     row = {"device": device, "machine": _machine(device), "commit": args.commit or _commit(), "batch": batch,
-           "new_tokens": args.new_tokens, "unconstrained_tok_s": round(free_rate, 1),
+           "new_tokens": args.new_tokens, "long_keys": args.long_keys, "unconstrained_tok_s": round(free_rate, 1),
            "json_schema_tok_s": round(json_rate, 1), "ratio": round(json_rate / free_rate, 3),
-           "tokens": [free_tokens, json_tokens]}
+           "tokens": [got["free"][1], got["json"][1]], "steps": {name: got[name][2] for name in got}}
     print(f"{device}, batch {batch}, {args.new_tokens} new tokens: unconstrained {free_rate:.1f} tok/s, "
           f"JSON schema {json_rate:.1f} tok/s, ratio {json_rate / free_rate:.3f} (target >= 0.90)")
+    if "json_no_jump" in rates:
+        row["json_no_jump_tok_s"] = round(rates["json_no_jump"], 1)
+        row["jump_forward_ratio"] = round(json_rate / rates["json_no_jump"], 3)
+        print(f"JSON schema without jump-forward {rates['json_no_jump']:.1f} tok/s: with / without "
+              f"{row['jump_forward_ratio']:.3f}; model steps {row['steps']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -17,7 +17,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
-    radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: lfu_aging (fewest hits, counts halved each time the cache turns over; holds up when many sessions come back in turn), lfu or lru."})
+    radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: next_use (the farthest predicted next use, from each prefix's pace of reuse: idle prefixes first, then never-reused ones newest first, so that sessions coming back in turn keep a stable share of the cache), lru, lfu, or lfu_aging (fewest hits, counts halved each time the cache turns over)."})
     enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
     disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
     hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})

@@ -1,14 +1,26 @@
 """Eviction strategies: which unlocked leaf of the radix tree goes first.
 
-A strategy maps a node to a sort priority; the tree pops the smallest priority from a heap.
-Strategies read only `last_access` and `hit_count`, so they work for any tier's leaves.
+A strategy maps a node and the tree's `UseClock` to a sort priority; the tree pops the smallest
+priority from a heap built at each eviction. Strategies read only the node's access fields, so
+they work for any tier's leaves.
+
+`next_use` (the default) predicts when each node will be used next and evicts the farthest first.
+Its clock ticks once per insert (a request finished with the tree), so repeated matches of a
+waiting request do not move it. A node's reuse gap is the smoothed clock time between its
+inserts; a new leaf that extends a path (a conversation's next turn) takes its parent's gap, while
+a new branch (a new conversation under a shared prompt, a one-off prompt) starts with none. The
+classes, evicted in this order:
+
+- expired: idle for more than `EXPIRY` times its gap (the tree's typical gap for a node never
+  reused): a finished session, a prefix that went cold; least recently used first;
+- never reused (a first turn, a conversation recomputed after its eviction): the newest first, so
+  that newcomers churn among themselves instead of pushing out residents that have not had their
+  turn yet; under LRU, conversations that come back in turn and do not all fit evict exactly the
+  one that comes next, every time;
+- reused at a pace: the farthest predicted next use (last use + gap) first.
 
 `lfu_aging` ranks like `lfu`, and the tree halves every node's `hit_count` each time it has deleted
-as many tokens as its largest tier holds (the cache turned over once), so a prefix hit often long
-ago loses its rank to what is used now. With conversations that come back in turn and do not all
-fit, `lru` evicts exactly the conversation that comes next, every time, and hits nothing; a
-frequency rank instead trims the newest turns of every conversation and keeps the often-hit
-prefixes of all of them.
+as many tokens as its largest tier holds (the cache turned over once).
 """
 from __future__ import annotations
 
@@ -18,22 +30,61 @@ if TYPE_CHECKING:
     from hicache.tree import TreeNode
 
 Priority = tuple
-EvictionStrategy = Callable[["TreeNode"], Priority]
+EXPIRY = 8  # idle for this many reuse gaps: no longer expected back
+GAP_WEIGHT = 0.25  # weight of a node's newest reuse gap in its smoothed gap
+PACE_WEIGHT = 1 / 16  # weight of each sample in the tree's typical gap
 
 
-def lru(node: TreeNode) -> Priority:
+class UseClock:
+    """The tree's use clock: `now` ticks once per insert; `typical_gap` follows the reuse gaps of
+    the paths that inserts extend (how long a conversation takes to come back; 0 until one did)."""
+
+    __slots__ = ("now", "typical_gap")
+
+    def __init__(self):
+        self.now = 0
+        self.typical_gap = 0.0
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now
+
+    def record(self, gap: float) -> None:
+        self.typical_gap += (gap - self.typical_gap) * PACE_WEIGHT if self.typical_gap else gap
+
+
+def smoothed_gap(gap: float, sample: int) -> float:
+    """A node's reuse gap after it was reused `sample` ticks after its previous use."""
+    return gap + (sample - gap) * GAP_WEIGHT if gap else float(sample)
+
+
+EvictionStrategy = Callable[["TreeNode", UseClock], Priority]
+
+
+def lru(node: TreeNode, clock: UseClock) -> Priority:
     """Least recently used first."""
     return (node.last_access,)
 
 
-def lfu(node: TreeNode) -> Priority:
+def lfu(node: TreeNode, clock: UseClock) -> Priority:
     """Least frequently used first; ties go to the least recently used."""
     return (node.hit_count, node.last_access)
 
 
-STRATEGIES: dict[str, EvictionStrategy] = {"lru": lru, "lfu": lfu, "lfu_aging": lfu}
+def next_use(node: TreeNode, clock: UseClock) -> Priority:
+    """Expired first (oldest first), then never reused (newest first), then the farthest
+    predicted next use."""
+    gap = node.reuse_gap or clock.typical_gap
+    if gap and clock.now - node.last_use > EXPIRY * gap:
+        return (0, node.last_use)
+    if not node.reuse_gap:
+        return (1, -node.last_use)
+    return (2, -(node.last_use + gap))
+
+
+STRATEGIES: dict[str, EvictionStrategy] = {"next_use": next_use, "lru": lru, "lfu": lfu, "lfu_aging": lfu}
 AGING = frozenset({"lfu_aging"})  # strategies whose tree halves hit counts once per turnover
-DEFAULT = "lfu_aging"
+DEFAULT = "next_use"
 
 
 def get_strategy(name: str) -> EvictionStrategy:

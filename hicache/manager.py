@@ -74,14 +74,15 @@ class LoadHandle:
     """The load-backs that a batch's pages may still be waiting for. The runner calls
     `wait_layer(i)` before layer i's attention (None: before a pass that reads every layer at
     once); it orders the device after that layer of the loads (no host sync where the transfer
-    engine supports per-layer waits). `settle()` blocks until they have landed or failed."""
+    engine supports per-layer waits). `settle()` blocks until they have landed or failed.
+    `tickets`: the transfer engine's tickets of those loads."""
 
     def __init__(self, controller: CacheController, tickets: frozenset[int]):
-        self._controller, self._tickets = controller, tickets
+        self._controller, self.tickets = controller, tickets
         self.wait_layer: Callable[[int | None], None] = controller.layer_waiter(tickets)
 
     def settle(self) -> None:
-        self._controller.settle_loads(self._tickets)
+        self._controller.settle_loads(self.tickets)
 
 
 class CacheManager:

@@ -7,6 +7,7 @@ sees the keys at positions j with i - W < j <= i, W keys at most, itself include
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -38,17 +39,26 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
     token_slots[i]: [prefix_i + extend_i] int64, the slots of request i's whole sequence so far
     (its new tokens' K/V already stored). q holds the requests' new tokens concatenated in order.
-    Returns [T, Hq, D] in q's dtype.
+    Returns [T, Hq, D] in q's dtype. Requests of one new token (decoding requests beside longer
+    chunks) attend in one batched `decode_attention`, the others one by one.
     """
     _check_heads(q, k_buffer)
     if sum(extend_lens) != q.shape[0] or len(token_slots) != len(extend_lens):
         raise ValueError(f"extend_lens sum {sum(extend_lens)} != q tokens {q.shape[0]} or count mismatch")
     out = torch.empty_like(q)
-    start = 0
-    for slots, n in zip(token_slots, extend_lens):
+    starts = list(itertools.accumulate(extend_lens, initial=0))
+    singles = [i for i, n in enumerate(extend_lens) if n == 1] if extend_lens.count(1) > 1 else []
+    if singles:
+        table = torch.nn.utils.rnn.pad_sequence([token_slots[i] for i in singles], batch_first=True)
+        lens = torch.tensor([token_slots[i].numel() for i in singles], device=q.device)
+        at = torch.tensor([starts[i] for i in singles], device=q.device)
+        out[at] = decode_attention(q[at], k_buffer, v_buffer, table, lens, scale, window)
+    for slots, n, start in zip(token_slots, extend_lens, starts):
         total = slots.numel()
         if n > total:
             raise ValueError(f"extend length {n} exceeds sequence length {total}")
+        if n == 1 and singles:
+            continue
         qi = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, total, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)
@@ -59,7 +69,6 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
             mask &= cols > rows - window
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + n] = o.transpose(0, 1)
-        start += n
     return out
 
 

@@ -33,6 +33,7 @@ class BatchPlan:
     rng_states: dict = field(default_factory=dict)  # id(req) -> generator state before a sample that may be dropped
     prompt_logprobs: Any = None  # set by ModelRunner.forward: its PendingPromptLogprobs (runtime/prompt_logprobs.py)
     created: float = field(default_factory=time.perf_counter)  # when planned: its result's wait measures prefill
+    joined: bool = False  # an extend that the decoding requests joined (a forced run's step: jump-forward)
 
     def add(self, req: Req, start: int, n: int, sample: bool) -> None:
         self.reqs.append(req)

@@ -12,11 +12,14 @@ from hicache.controller import CacheController
 from hicache.manager import CacheManager
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
-from hicache.runtime.attention import make_attention
+from hicache.runtime.attention import AttentionBackend, make_attention
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.runner import ModelRunner
 from hicache.runtime.scheduler import Scheduler
+from hicache.runtime.tp import RankGroup, rank_device
+from hicache.runtime.tp_fanout import JournaledReqTable, StorageFanout, TPModelRunner, TransferFanout
 from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
@@ -45,43 +48,99 @@ class Components(NamedTuple):
     model_name: str
 
 
+class RankParts(NamedTuple):
+    """What every tensor-parallel rank holds of the model and the KV tiers (its share of them)."""
+
+    loaded: LoadedModel
+    pool: DeviceKVPool
+    req_table: ReqToTokenTable
+    host_pool: HostKVPool | None
+    transfer: HostTransferEngine | None
+    attn: AttentionBackend
+    device: torch.device
+    context: int
+
+
 def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
-    loaded = load_model(rc.model_path, rc.load_format, rc.dtype, rc.device, rc.random_seed)
-    cfg = loaded.config
+    """The scheduler's parts; with `tp_size` > 1 this process is rank 0 and starts the others
+    (runtime/tp.py), whose parts it drives through stand-ins (runtime/tp_fanout.py)."""
+    if rc.tp_size == 1:
+        return assemble(rc, cc, build_rank(rc, cc, SINGLE, ReqToTokenTable), None)
+    ranks = RankGroup.start(rc, cc)
+    try:
+        return assemble(rc, cc, build_rank(rc, cc, ranks.tp, JournaledReqTable), ranks)
+    except BaseException:
+        ranks.close()
+        raise
+
+
+def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_class=ReqToTokenTable) -> RankParts:
+    """This rank's model share, L1 pool, request table, L2 pool and transfer engine, and the
+    attention backend. Sizes that depend on free memory are the least over the ranks."""
+    device = rank_device(rc.device, tp.rank) if tp.sharded else rc.device
+    loaded = load_model(rc.model_path, rc.load_format, rc.dtype, device, rc.random_seed, tp)
+    cfg, heads = loaded.config, loaded.num_kv_heads
     device = next(loaded.model.parameters()).device
     dtype = next(loaded.model.parameters()).dtype
-    num_tokens = kv_pool_tokens(rc, cfg, dtype, device, cc.page_size)
+    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads), device)
     if num_tokens < cc.page_size:
         raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
     context = served_context(rc.context_length or cfg.max_position_embeddings, num_tokens)
-    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.head_dim, dtype, device)
     pages_per_req = -(-context // cc.page_size)
-    req_table = ReqToTokenTable(rc.max_running_requests, pages_per_req * cc.page_size, device)
-    host_pool = build_host_pool(cc, pool, cfg, dtype) if cc.hierarchical else None
-    tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
-                     host_allocator=host_pool.allocator if host_pool is not None else None)
+    req_table = table_class(rc.max_running_requests, pages_per_req * cc.page_size, device)
+    host_pool = build_host_pool(cc, pool, cfg, dtype, heads) if cc.hierarchical else None
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks, frozenset(windows))
-    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
-                                 load_decision=cc.hicache_load_decision,
-                                 window=max(windows.values()) if windows else None)
-    if cc.storage and controller.enabled:
-        attach_storage(controller, cc, rc, loaded, host_pool)
     attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
                           cfg.attn_scale, cfg.layer_windows)
-    runner = ModelRunner(loaded.model, pool, req_table, attn, device,
-                         cuda_graph=not rc.disable_cuda_graph, max_batch=rc.max_running_requests)
+    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context)
+
+
+def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: RankGroup | None) -> Components:
+    """Rank 0's cache brain and runner over its parts (and, through `ranks`, the followers')."""
+    loaded, pool, cfg = parts.loaded, parts.pool, parts.loaded.config
+    host_pool, transfer = parts.host_pool, parts.transfer
+    tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache,
+                     host_allocator=host_pool.allocator if host_pool is not None else None)
+    windows = [w for w in cfg.layer_windows if w]
+    if ranks is not None and transfer is not None:
+        transfer = TransferFanout(transfer, ranks)
+    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
+                                 load_decision=cc.hicache_load_decision, window=max(windows) if windows else None)
+    if storage_on(cc, host_pool):
+        attach_storage(controller, cc, rc, loaded, host_pool, ranks)
+    args = (loaded.model, pool, parts.req_table, parts.attn, parts.device)
+    options = {"cuda_graph": not rc.disable_cuda_graph, "max_batch": rc.max_running_requests}
+    runner = ModelRunner(*args, **options) if ranks is None else TPModelRunner(ranks, *args, **options)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
-                pool.num_slots * pool.bytes_per_token() / 2**20, context)
-    return Components(cfg, loaded.tokenizer, pool, CacheManager(controller, req_table), runner, context, cfg.name)
+                pool.num_slots * pool.bytes_per_token() / 2**20, parts.context)
+    return Components(cfg, loaded.tokenizer, pool, CacheManager(controller, parts.req_table), runner, parts.context,
+                      cfg.name)
 
 
-def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype) -> HostKVPool:
-    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM)."""
+def least_over_ranks(tp: TensorParallel, n: int, device: torch.device) -> int:
+    """The least of each rank's `n` (n itself on one rank): every rank must size its pools alike."""
+    if not tp.sharded:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+    return int(t.item())
+
+
+def storage_on(cc: HiCacheConfig, host_pool: HostKVPool | None) -> bool:
+    """L3 is attached: a backend is named and L2 is on (under a radix tree that shares pages)."""
+    return bool(cc.storage) and host_pool is not None and not cc.disable_radix_cache
+
+
+def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype,
+                    kv_heads: int) -> HostKVPool:
+    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM),
+    of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
-    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype,
                       cc.hicache_mem_layout)
     logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
@@ -90,21 +149,30 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
 
 
 def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel,
-                   host_pool: HostKVPool) -> None:
+                   host_pool: HostKVPool, ranks: RankGroup | None = None) -> None:
     """L3: the backend named by `hicache_storage_backend`, its I/O worker over the host pool, and
-    the page-key namespace (docs/formats.md: model, KV dtype, page size, layout, TP rank and size)."""
+    the page-key namespace (docs/formats.md: model, KV dtype, page size, layout, TP rank and size);
+    with `ranks`, every rank's worker behind one `StorageFanout`."""
+    worker, seed, options, where = storage_worker(cc, rc, loaded, host_pool, ranks.tp if ranks else SINGLE)
+    cache.attach_storage(worker if ranks is None else StorageFanout(worker, ranks), seed, options,
+                         cc.hicache_storage_backend)
+    logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
+                redact(where), options.policy, options.prefetch_threshold,
+                "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
+
+
+def storage_worker(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, host_pool: HostKVPool,
+                   tp: TensorParallel) -> tuple[StorageWorker, bytes, StorageOptions, str]:
+    """This rank's L3 worker over its backend (its pages under its own namespace), the namespace
+    seed, the storage options and where the backend lives."""
     options, backend_options = StorageOptions.split(cc.hicache_storage_prefetch_policy, cc.storage_extra)
     if cc.hicache_storage_backend == "lmdb":
         backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
     seed = namespace_seed(model_fingerprint(rc, loaded), host_pool.buffer.dtype, cc.page_size, cc.hicache_mem_layout,
-                          "tp0/1")
+                          f"tp{tp.rank}/{tp.size}")
     backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], cc.hicache_storage_secret, **backend_options)
-    cache.attach_storage(StorageWorker(backend, host_pool, options.batch_pages), seed, options,
-                         cc.hicache_storage_backend)
-    logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
-                redact(str(next((backend_options[k] for k in ("path", "url", "master") if k in backend_options),
-                                 "in memory"))), options.policy,
-                options.prefetch_threshold, "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
+    where = str(next((backend_options[k] for k in ("path", "url", "master") if k in backend_options), "in memory"))
+    return StorageWorker(backend, host_pool, options.batch_pages), seed, options, where
 
 
 def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
@@ -118,13 +186,13 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   page_size: int) -> int:
-    """L1 size in tokens: `max_total_tokens` when given, else `mem_fraction_static` of the device
-    memory minus what is already used (on CPU: of available RAM, page cache included, capped at
-    CPU_KV_CAP_BYTES)."""
+                   page_size: int, kv_heads: int) -> int:
+    """L1 size in tokens of `kv_heads` heads (this rank's): `max_total_tokens` when given, else
+    `mem_fraction_static` of the device memory minus what is already used (on CPU: of available
+    RAM, page cache included, capped at CPU_KV_CAP_BYTES)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
-    per_token = DeviceKVPool.token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_token = DeviceKVPool.token_bytes(cfg.num_layers, kv_heads, cfg.head_dim, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)

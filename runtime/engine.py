@@ -222,6 +222,7 @@ class Engine:
         sched = self.scheduler
         try:
             while not self._stopped:
+                sched.check_health()
                 self._drain(block=not sched.has_work())
                 for out in sched.step():
                     cb = self._listeners.get(out.rid)

@@ -205,6 +205,12 @@ class RequestGrammar:
         if not self.rejected:
             self.record(token, self.matcher.accept_token(token))
 
+    def try_accept(self, token: int) -> bool:
+        """Accepts `token` if the grammar allows it here; a refusal changes nothing."""
+        ok = self.matcher.accept_token(token)
+        self.accepted += ok
+        return ok
+
     def record(self, token: int, ok: bool) -> None:
         """Notes that the matcher accepted `token` (`ok`) or refused it."""
         if ok:

@@ -5,7 +5,8 @@ while the host builds the batch, checks stops and emits. With it (`Scheduler.ste
 `disable_overlap_schedule`; on CPU with `enable_overlap_schedule`, for the tests: no speedup there)
 a step's results are applied one `step()` later:
 
-- A step that follows a decode step of the whole running set, with nothing admittable waiting
+- A step that follows a decode step of the whole running set (or an extend of every running
+  request's forced run or next token: jump-forward), with nothing admittable waiting
   (an empty queue, a full batch, or a queue the last `schedule()` could not admit from with no
   arrival, finish, abort or retraction since), is the *continuation*: the same requests (less
   those whose step-t token is their last by length) decode the next position, reading their
@@ -101,8 +102,7 @@ class OverlapLoop:
             with s.cache.ordered_after(fence if cont is not None or ahead is not None else None):
                 s.process_result(prev.plan, prev.step.result())
         if cont is not None:
-            plan, logits = self._still_running(plan, logits)
-            rows = list(range(len(plan.reqs)))
+            plan, rows, logits = self._still_running(plan, logits)
         elif ahead is not None:
             self._blocked_at = None
         if cont is not None or ahead is not None:  # sampled once the host has step t's results
@@ -137,8 +137,12 @@ class OverlapLoop:
         """The decode step after `prev` for the same requests, planned before prev's tokens reach
         the host, with the positions in prev of its requests; None when the batch would change."""
         s, plan = self.sched, prev.plan
-        if plan.mode != "decode" or plan.loads is not None or len(plan.reqs) != len(s.running):
-            return None  # loads None: no request of the plan (= all running) waits on a load-back
+        if plan.loads is not None or len(plan.reqs) != len(s.running) or not all(plan.sample):
+            return None  # loads None: no request of the plan (= all running) waits on a load-back; a
+            # request that did not sample jumped forward: its forced run is computed by an extend
+        if plan.mode != "decode" and not (plan.joined and all(start >= len(r.input_ids)
+                                                              for r, start in zip(plan.reqs, plan.starts))):
+            return None  # a prefill step; an extend of forced runs and decoding requests continues
         if s.waiting and s.policy.admits_more(len(s.running)) and not self._still_blocked():
             return None  # admission may change the batch
         return s.continue_decode(plan)
@@ -150,16 +154,20 @@ class OverlapLoop:
         s = self.sched
         return self._blocked_at == s.queue_version and not s.cache.prefetches_waiting() and not s.grammars_compiling()
 
-    def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, torch.Tensor]:
-        """The continuation less the requests that finished at the step before it."""
+    def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, list[int], torch.Tensor]:
+        """The continuation less the requests that finished at the step before it, the rows that
+        sample and their logits. A request that jumped forward at that step (its grammar forced
+        tokens after its token) does not sample: the position computed is its token's, and what
+        follows is the forced run."""
         running = {id(r) for r in self.sched.running}
         alive = [i for i, r in enumerate(plan.reqs) if id(r) in running]
-        if len(alive) == len(plan.reqs):
-            return plan, logits
+        sample = [plan.starts[i] + 1 == plan.reqs[i].seq_len for i in alive]
+        if len(alive) == len(plan.reqs) and all(sample):
+            return plan, list(range(len(alive))), logits
         kept = BatchPlan("decode", [], [], [], [])
-        for i in alive:
-            kept.add(plan.reqs[i], plan.starts[i], 1, True)
-        return kept, _gather(logits, alive)
+        for i, s in zip(alive, sample):
+            kept.add(plan.reqs[i], plan.starts[i], 1, s)
+        return kept, [j for j, s in enumerate(sample) if s], _gather(logits, [i for i, s in zip(alive, sample) if s])
 
     # ---- a prefill step launched ahead ------------------------------------------------------
 

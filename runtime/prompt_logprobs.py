@@ -47,10 +47,9 @@ def select_rows(plan: BatchPlan) -> PromptRows | None:
     return PromptRows(rows, targets, counts, [r.top_logprobs_num for r in plan.reqs])
 
 
-def launch(model: torch.nn.Module, hidden: torch.Tensor, plan: BatchPlan) -> PendingPromptLogprobs | None:
-    """Queues the prompt log-probs of `plan` from its pass's `hidden` [T, hidden] (device); their
-    copy to the host starts at once. None when the plan needs none."""
-    sel = select_rows(plan)
+def launch(model: torch.nn.Module, hidden: torch.Tensor, sel: PromptRows | None) -> PendingPromptLogprobs | None:
+    """Queues the prompt log-probs of the rows `sel` (`select_rows` of a plan) from its pass's
+    `hidden` [T, hidden] (device); their copy to the host starts at once. None when sel is None."""
     if sel is None:
         return None
     rows, targets = tensor_to(sel.rows, hidden.device), tensor_to(sel.targets, hidden.device)

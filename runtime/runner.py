@@ -76,11 +76,15 @@ class ModelRunner:
         if plan.loads is not None:  # what follows on the compute stream comes after the whole load
             plan.loads.wait_layer(None)
         if plan.mode == "extend":
-            plan.prompt_logprobs = prompt_logprobs.launch(self.model, hidden, plan)
+            plan.prompt_logprobs = prompt_logprobs.launch(self.model, hidden, self.prompt_rows(plan))
         if not rows:
             return rows, None
         ends = list(itertools.accumulate(plan.extend_lens))
         return rows, self.model.compute_logits(_take_rows(hidden, [ends[i] - 1 for i in rows]))
+
+    def prompt_rows(self, plan: BatchPlan) -> prompt_logprobs.PromptRows | None:
+        """The positions of an extend plan whose prompt log-probs its pass computes."""
+        return prompt_logprobs.select_rows(plan)
 
     def _prepare(self, plan: BatchPlan, input_ids: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
@@ -133,6 +137,9 @@ class ModelRunner:
         if bitmask is None:
             step.launch()
         return step
+
+    def check_health(self) -> None:
+        """Raises when a part the runner depends on has failed (tensor-parallel ranks: runtime/tp.py)."""
 
     def close(self) -> None:
         self.bitmasks.close()

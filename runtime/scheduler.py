@@ -1,9 +1,10 @@
 """The scheduler: continuous batching over the KV cache.
 
 Only the thread that calls `step()` touches the scheduler and its cache. A step is `schedule()`
-(a BatchPlan: a prefill batch when prompts wait, else one decode token for every running
-request), `runner.run(plan)`, then `process_result(plan, output)`; with overlap scheduling
-(runtime/overlap.py) the result of a step is applied during the next one.
+(a BatchPlan: a prefill batch when prompts or forced runs (runtime/jump_forward.py) wait, else
+one decode token for every running request), `runner.run(plan)`, then `process_result(plan,
+output)`; with overlap scheduling (runtime/overlap.py) the result of a step is applied during the
+next one.
 
 What a request holds of the cache goes through the `CacheManager` (`hicache.manager`): admit,
 grow, release, poll. Budget decisions (chunk sizes, order, retraction victim) are the
@@ -20,6 +21,7 @@ from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters, usage
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
+from hicache.runtime.jump_forward import JumpForward
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
@@ -48,6 +50,8 @@ class Scheduler:
         self._outputs: list[TokenOutput] = []
         self._arrivals = itertools.count()
         self.counters = Counters()
+        self.jump = JumpForward(not rc.disable_jump_forward, self.tokenizer, self.stop_checker, self.context_length,
+                                self.counters)
         # Change markers for the overlap loop: the queue or the running set changed (arrival,
         # admission, finish, abort, retraction); a running request gave its slots back early.
         self.queue_version = 0
@@ -132,6 +136,11 @@ class Scheduler:
         they land, so that their pins and stats settle without waiting for the next request."""
         return self.has_requests() or self.cache.busy()
 
+    def check_health(self) -> None:
+        """Raises when the runner's other processes failed (a tensor-parallel rank died): the loop
+        that steps the scheduler calls it between steps, so that an idle server notices too."""
+        self.runner.check_health()
+
     def step(self) -> list[TokenOutput]:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
         if self.overlap is not None:
@@ -215,6 +224,9 @@ class Scheduler:
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
+        if after is None and any(r.grammar is not None and start >= len(r.input_ids)
+                                 for r, start in zip(plan.reqs, plan.starts)):
+            self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests
         self._admit_waiting(plan, budget, after)
         return plan if plan.reqs else None
 
@@ -238,6 +250,8 @@ class Scheduler:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
             if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
                 req.storage_range = (got.start, got.end)
+            if not req.output_ids and self._jump_first(req):
+                continue  # the forced text alone reached a stop or the length limit
             if self._waits_for_prefill(req, cached):
                 continue  # a running request is computing most of its prompt: it finds it cached next
             n = self._admit(req, budget, after)
@@ -298,26 +312,32 @@ class Scheduler:
         plan.add(req, start, n, start + n == req.seq_len)
         return n
 
-    def _schedule_decode(self) -> BatchPlan | None:
-        plan = BatchPlan("decode", [], [], [], [])
+    def _schedule_decode(self, extend: BatchPlan | None = None) -> BatchPlan | None:
+        """One token for every decoding request. With `extend` (a plan with forced runs), those
+        not in it join it as chunks of one token, where a slot is free without retracting (it
+        holds requests of any arrival)."""
+        plan = extend or BatchPlan("decode", [], [], [], [])
+        plan.joined = extend is not None
+        planned = {id(r) for r in plan.reqs}
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
-            if req in self.running and req.kv_len == req.seq_len - 1:
+            if id(req) not in planned and req in self.running and req.kv_len == req.seq_len - 1:
                 self.cache.refresh(req.lease)
-                if self._make_room(req, req.kv_len + 1):
+                if self.cache.grow(req.lease, req.seq_len) if extend else self._make_room(req, req.seq_len):
                     plan.add(req, req.kv_len, 1, True)
         return plan if plan.reqs else None
 
     def continue_decode(self, plan: BatchPlan) -> tuple[BatchPlan, list[int]] | None:
-        """For overlap scheduling: the decode step after the launched decode step `plan`, for the
-        same requests less those whose token from `plan` is their last by length, with their
-        positions in `plan`; None when nothing would continue or a slot cannot be had without
-        retracting (no retraction while a step is in flight)."""
+        """For overlap scheduling: the decode step after the launched step `plan` (a decode step, or
+        an extend whose every request samples), for the same requests less those whose token from
+        `plan` is their last by length, with their positions in `plan`; None when nothing would
+        continue or a slot cannot be had without retracting (no retraction while a step is in
+        flight)."""
         self.poll_transfers()  # retracts only requests with load-backs in flight: none here
         keep = [i for i, r in enumerate(plan.reqs)
                 if not self.stop_checker.length_reached(r, self.context_length, 1)]
         if not keep:
             return None
-        reqs, starts = [plan.reqs[i] for i in keep], [plan.starts[i] + 1 for i in keep]
+        reqs, starts = [plan.reqs[i] for i in keep], [plan.starts[i] + plan.extend_lens[i] for i in keep]
         if not self.cache.grow_all([r.lease for r in reqs], [s + 1 for s in starts]):
             return None
         return BatchPlan("decode", reqs, starts, [1] * len(keep), [True] * len(keep)), keep
@@ -369,11 +389,12 @@ class Scheduler:
         self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
                               if req.grammar is not None and out.next_ids[i] is not None
                               and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
+        self.counters["forward_steps"] += 1
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
-            if plan.mode == "extend":
+            if plan.mode == "extend" and not (plan.joined and plan.starts[i] >= len(req.input_ids)):
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
                 if req.publish_prompt and req.kv_len >= len(req.input_ids):
                     req.publish_prompt = False
@@ -390,9 +411,23 @@ class Scheduler:
             self.counters["generation_tokens"] += 1
             logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
             reason = self.stop_checker.check(req, self.context_length)
+            forced, reason = self.jump(req) if reason is None else ([], reason)
             if reason is not None:
                 self._finish(req)
-            self._emit(req, [token], reason, logprobs)
+            self._emit(req, [token, *forced], reason, logprobs)
+
+    def _jump_first(self, req: Req) -> bool:
+        """Jump-forward before a request's first token (its forced run is computed with its
+        prompt); True when that finished the request (it leaves the queue)."""
+        forced, reason = self.jump(req)
+        if reason is not None:
+            self.waiting.remove(req)
+            self.queue_version += 1
+            self.cache.revoke(req.rid)
+            self.counters["requests_finished"] += 1
+        if forced:
+            self._emit(req, forced, reason, None)
+        return reason is not None
 
     def _finish(self, req: Req) -> None:
         self.running.remove(req)

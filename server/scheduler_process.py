@@ -166,6 +166,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while self.running:
+            self.sched.check_health()
             busy = self.sched.has_work() or bool(self.pending)
             if self.poller.poll(0 if busy else self._until_snapshot_ms()):
                 self._drain()

@@ -20,7 +20,8 @@ class TreeNode:
 
     __slots__ = (
         "children", "parent", "key", "namespace", "device_slots", "host_slots",
-        "lock_ref", "direct_locks", "host_pin", "last_access", "hit_count", "stale", "page_keys", "id",
+        "lock_ref", "direct_locks", "host_pin", "last_access", "hit_count", "last_use", "reuse_gap", "stale",
+        "page_keys", "id",
     )
     _next_id = itertools.count()
 
@@ -36,6 +37,8 @@ class TreeNode:
         self.host_pin = 0  # in-flight transfers reading or writing host_slots
         self.last_access = 0  # logical clock of the last match/insert through this node
         self.hit_count = 0  # inserts that found this node already present
+        self.last_use = 0  # the tree's use clock (one tick per insert) at the last insert through it (0: none yet)
+        self.reuse_gap = 0.0  # smoothed use-clock ticks between its inserts (0: never reused; see eviction.py)
         self.stale = False  # device copy not trusted (its load failed): never matched, dropped when unlocked
         # L3 keys (hex, docs/formats.md) of this node's pages, chained from the parent's last key; filled by
         # the StorageController when first needed (its ancestors' with it), split with the node

@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, get_strategy
+from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, UseClock, get_strategy, smoothed_gap
 from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
@@ -31,6 +31,7 @@ class RadixTree(Residency):
         self._priority = get_strategy(eviction_policy)
         self._aging = eviction_policy in AGING
         self._clock = itertools.count(1)
+        self.use_clock = UseClock()  # what the eviction strategy reads besides the nodes
         self._init_state()
 
     def _init_state(self) -> None:
@@ -90,7 +91,11 @@ class RadixTree(Residency):
         ownership of `slots[n_present:aligned]` (it copies them): host-only nodes on the path
         take their part as their L1 copy, the rest becomes a new leaf. The caller keeps
         `slots[:n_present]` (freeing those it owns) and the unaligned tail. Nodes already present
-        get hit_count += 1. A disabled tree inserts nothing and returns 0.
+        get hit_count += 1 and a reuse gap sample (ticks of the use clock, which each insert
+        advances, since their last insert). The new leaf takes its parent's reuse gap when it
+        extends a path (a parent with at most one other branch: a conversation's next turn is
+        expected back at the pace of its earlier ones), none under a shared prefix. A disabled
+        tree inserts nothing and returns 0.
         """
         tokens = _as_tokens(token_ids)
         if slots.dim() != 1 or slots.dtype != torch.int64 or len(slots) != len(tokens):
@@ -101,18 +106,26 @@ class RadixTree(Residency):
         if aligned == 0:
             return 0
         now = next(self._clock)
+        use = self.use_clock.tick()
         root = self.root_of(namespace)
         node, pos, present = root, 0, None  # node: the deepest cached node of the prefix
         for node in self._walk_prefix(root, tokens):
             node.last_access = now
             node.hit_count += 1
+            if node.last_use:  # (a node fetched from L3 has none: its first insert is no reuse)
+                node.reuse_gap = smoothed_gap(node.reuse_gap, use - node.last_use)
+            node.last_use = use
             if node.device_slots is None:  # host-only: everything below is too (closure)
                 present = pos if present is None else present
                 self._set_device(node, slots[pos:pos + len(node.key)].clone())
             pos += len(node.key)
         if pos < aligned:
+            continued = len(node.children) <= 1 and node.parent is not None  # a path extended, not a shared prefix
             leaf = self._add_leaf(node, tuple(tokens[pos:aligned]), slots[pos:aligned].clone())
-            leaf.last_access = now
+            leaf.last_access, leaf.last_use = now, use
+            if continued and node.reuse_gap:
+                leaf.reuse_gap = node.reuse_gap
+                self.use_clock.record(node.reuse_gap)
         return pos if present is None else present
 
     def insert_host(self, token_ids: Sequence[int], host_slots: torch.Tensor, start: int, namespace: str = "") -> int:
@@ -198,6 +211,7 @@ class RadixTree(Residency):
         upper.host_slots = _slice(node.host_slots, 0, k)
         upper.lock_ref, upper.host_pin, upper.stale = node.lock_ref, node.host_pin, node.stale
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
+        upper.last_use, upper.reuse_gap = node.last_use, node.reuse_gap
         if node.page_keys is not None:
             pages = k // self.page_size
             upper.page_keys, node.page_keys = node.page_keys[:pages], node.page_keys[pages:]

@@ -93,7 +93,7 @@ class Residency:
         copy); otherwise the node is deleted with its host-only subtree, unless a transfer pins
         some of it. A parent left without children on L1 becomes a candidate. Returns the L1
         tokens freed."""
-        heap = [(self._priority(n), n.id, n) for n in self._device_leaves if n.lock_ref == 0]
+        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._device_leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -112,7 +112,7 @@ class Residency:
                 continue
             freed += len(node.key)
             if parent in self._device_leaves and parent.lock_ref == 0:
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+                heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
         return freed
 
     def evict_host(self, num_tokens: int) -> int:
@@ -121,7 +121,7 @@ class Residency:
         def candidate(n: TreeNode) -> bool:
             return not n.children and n.device_slots is None and n.host_pin == 0 and n.parent is not None
 
-        heap = [(self._priority(n), n.id, n) for n in self._leaves if candidate(n)]
+        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._leaves if candidate(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -132,7 +132,7 @@ class Residency:
             self._age(len(node.key))
             parent = self._remove(node)
             if not parent.is_root and candidate(parent):
-                heapq.heappush(heap, (self._priority(parent), parent.id, parent))
+                heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
         return freed
 
     def _age(self, deleted: int) -> None:

@@ -200,8 +200,37 @@ def test_lfu_evicts_least_frequently_used_then_oldest():
     tree.check_integrity()
 
 
+def test_next_use_evicts_expired_then_newest_unreused_then_farthest_next_use():
+    alloc, tree = make(1, 64, "next_use")
+    for first in (1, 2, 3, 4):  # four conversations, first turns
+        insert_new(tree, alloc, [first, 0])
+    insert_new(tree, alloc, [1, 0, 5])  # 1 comes back after 4 uses: its next turn takes its pace
+    insert_new(tree, alloc, [2, 0, 5])  # 2 too, after 4 uses
+    leaf1 = tree.match([1, 0, 5]).last_node
+    assert leaf1.reuse_gap == leaf1.parent.reuse_gap == 4 and tree.use_clock.typical_gap == 4
+    # never reused (3 and 4): the newest first, so that newcomers do not push out older residents
+    assert tree.evict(1) == 2 and tree.match([4, 0]).device_slots.numel() == 0
+    assert tree.evict(1) == 2 and tree.match([3, 0]).device_slots.numel() == 0
+    # reused at a pace: the farthest predicted next use (last use + gap) first: 2's, then 1's
+    assert tree.evict(1) == 1 and tree.match([2, 0, 5]).device_slots.numel() == 2
+    insert_new(tree, alloc, [6, 0])
+    for _ in range(40):  # 6 comes back at a pace of 1; 1 and 2 are idle for more than 8 gaps
+        insert_new(tree, alloc, [6, 0])
+    assert tree.evict(1) == 1 and tree.match([1, 0, 5]).device_slots.numel() == 2  # expired: oldest first
+    tree.check_integrity()
+
+
+def test_next_use_new_branch_under_a_shared_prefix_is_unreused():
+    alloc, tree = make(1, 64, "next_use")
+    for user in (1, 2, 3):
+        insert_new(tree, alloc, [9, 9, user])
+    insert_new(tree, alloc, [9, 9, 4])  # the shared prompt has three branches already
+    shared = tree.match([9, 9]).last_node
+    assert shared.reuse_gap > 0 and tree.match([9, 9, 4]).last_node.reuse_gap == 0
+
+
 def test_unknown_policy_lists_choices():
-    with pytest.raises(ValueError, match=r"\['lfu', 'lfu_aging', 'lru'\]"):
+    with pytest.raises(ValueError, match=r"\['lfu', 'lfu_aging', 'lru', 'next_use'\]"):
         get_strategy("fifo")
     with pytest.raises(ValueError):
         make(policy="mru")

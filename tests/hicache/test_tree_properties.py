@@ -39,7 +39,7 @@ class Request:
 
 class TreeMachine(RuleBasedStateMachine):
     @initialize(ps=st.sampled_from([1, 2, 4]), num_pages=st.integers(4, 40),
-                policy=st.sampled_from(["lru", "lfu", "lfu_aging"]), seed=st.integers(0, 3))
+                policy=st.sampled_from(["next_use", "lru", "lfu", "lfu_aging"]), seed=st.integers(0, 3))
     def setup(self, ps, num_pages, policy, seed):
         self.ps = ps
         self.alloc = FakeAllocator(num_pages, ps, seed)

@@ -31,7 +31,7 @@ def test_extend_matches_naive_with_prefix(hq, hkv):
     d, num_slots = 16, 256
     k_buf, v_buf = random_pool(num_slots, hkv, d, gen)
     perm = torch.randperm(num_slots, generator=gen)
-    prefixes, extends = [0, 7, 30], [5, 1, 12]
+    prefixes, extends = [0, 7, 30, 19, 0], [5, 1, 12, 1, 1]  # the one-token chunks attend together
     slots, qs, used = [], [], 0
     for p, e in zip(prefixes, extends):
         slots.append(perm[used:used + p + e])

@@ -119,9 +119,9 @@ def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypat
     from hicache.runtime.config import RuntimeConfig
     from hicache.tiers.gpu.pool import DeviceKVPool
 
-    cfg = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    cfg = SimpleNamespace(num_layers=30, head_dim=64)
     per_token = DeviceKVPool.token_bytes(30, 3, 64, torch.float32)
     monkeypatch.setattr(build, "available_ram", lambda: 4 << 30)  # MemAvailable, page cache included
-    tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64)
+    tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)
     assert tokens == int(min((4 << 30) * 0.85 * 0.25, build.CPU_KV_CAP_BYTES) // per_token) // 64 * 64
     assert build.served_context(8192, 1856) == 1856 and build.served_context(2048, 8192) == 2048

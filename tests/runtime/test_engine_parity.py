@@ -154,3 +154,13 @@ def test_arrivals_while_others_decode(default_model_path, profile):
             t.join()
         assert_outputs_equal([results[i] for i in range(len(prompts))], profile.golden(), profile.new_tokens)
         engine.check_integrity()
+
+
+@pytest.mark.slow  # three processes load the GGUF; the tiny model's TP=2 runs in the default suite (test_tp.py)
+def test_tensor_parallel_ranks_match_hf(default_model_path):
+    """SmolLM2-135M has 9 query and 3 KV heads: 3 ranks split them (2 do not), over gloo. Chunked
+    prefill, then the same prompts again from the radix cache."""
+    with make_engine(default_model_path, tp_size=3, max_total_tokens=8192, chunked_prefill_size=128) as engine:
+        for _ in range(2):
+            assert_outputs_equal(generate_ids(engine, SHORT.prompts(), SHORT.new_tokens), SHORT.golden(),
+                                 SHORT.new_tokens)

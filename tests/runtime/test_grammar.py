@@ -1,7 +1,8 @@
 """Grammar-constrained decoding on the default model through the Engine: outputs parse and
 validate against their JSON schema (the `jsonschema` package), regular expression or EBNF grammar,
 batched, streamed, with overlap scheduling forced on (the mask applied in continuation steps),
-and across retractions (a KV pool too small for the batch)."""
+and across retractions (a KV pool too small for the batch); jump-forward against decoding every
+token."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,10 @@ import jsonschema
 import pytest
 
 from engines import make_engine
+from golden import first_difference
 from hicache.runtime.grammar import GrammarCompiler, fill_bitmask
-from schemas import EBNFS, REGEXES, SCHEMAS, schema_prompt
+from hicache.runtime.jump_forward import forced_tokens
+from schemas import EBNFS, NAME, REGEXES, SCHEMAS, schema_prompt
 
 pytestmark = pytest.mark.model
 
@@ -154,3 +157,89 @@ def test_json_schema_suite_streamed(engine):
 
     prompts, params, cases = _batch(SCHEMAS, REGEXES, EBNFS, 160, temperature=0.7, seed=3)
     _check(cases, asyncio.run(run_all(prompts, params)))
+
+
+# ---- jump-forward ------------------------------------------------------------------------------
+
+LONG_KEYS = {"type": "object", "properties": {
+    "customer_full_legal_name": NAME, "is_preferred_customer_account": {"type": "boolean"}},
+    "required": ["customer_full_legal_name", "is_preferred_customer_account"]}
+ANSWER = r"The answer is (yes|no)\. Because it is [a-z]{2,10}\."
+ANSWER_PROMPT = "Is water wet? Reply in one sentence."
+
+
+def _steps(engine, prompts, params) -> tuple[list[dict], int, int]:
+    """Outputs, model steps and jump-forward tokens of one batch."""
+    before = engine.get_stats()
+    outs = engine.generate(prompts, sampling_params=params)
+    after = engine.get_stats()
+    return outs, after["forward_steps"] - before["forward_steps"], after["tokens"]["jump_forward"] - before["tokens"]["jump_forward"]
+
+
+def test_jump_forward_gives_the_greedy_output_in_fewer_steps(engine, monkeypatch):
+    """Long forced keys and a regex with forced literals, greedy, against decoding every token: in
+    fewer model steps, the same tokens, or the same up to a token where the model, decoding the
+    forced text itself, wrote a shorter piece of it (" " then "Because" where jump-forward
+    appends " Because", the tokenizer's own tokens: what follows may then differ). The tree holds
+    the tokens appended; a request that returns log-probs does not jump."""
+    prompts = [schema_prompt(LONG_KEYS), ANSWER_PROMPT]
+    params = [{"json_schema": LONG_KEYS, "max_new_tokens": 64, "temperature": 0},
+              {"regex": ANSWER, "max_new_tokens": 40, "temperature": 0}]
+    cases = [("json_schema", LONG_KEYS), ("regex", ANSWER)]
+    jumped, steps_on, forced = _steps(engine, prompts, params)
+    _check(cases, jumped)
+    assert forced > 0
+    ids = engine.tokenizer(prompts[0]).input_ids + jumped[0]["output_ids"][:-1]  # less the EOS
+    cached = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})["meta_info"]["cached_tokens"]
+    assert cached == (len(ids) - 1) // 16 * 16  # the tree matched every computed token, page-aligned
+    monkeypatch.setattr(engine.scheduler.jump, "enabled", False)
+    stepped, steps_off, _ = _steps(engine, prompts, params)
+    for a, b in zip(jumped, stepped):
+        _same_or_split_forced_text(engine.tokenizer, a["output_ids"], b["output_ids"])
+    assert steps_on < steps_off, (steps_on, steps_off)
+    monkeypatch.undo()
+    out = engine.generate(ANSWER_PROMPT, sampling_params=params[1], return_logprob=True)
+    assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    assert out["output_ids"] == stepped[1]["output_ids"]
+    engine.check_integrity()
+
+
+def _same_or_split_forced_text(tok, jumped: list[int], stepped: list[int]) -> None:
+    at = first_difference(jumped, stepped)
+    if at is not None:
+        assert tok.decode(jumped[:at]) == tok.decode(stepped[:at])
+        piece, shorter = tok.decode(jumped[at:at + 1]), tok.decode(stepped[at:at + 1])
+        assert piece.startswith(shorter) and len(piece) > len(shorter), (piece, shorter)
+
+
+def test_jump_forward_stops_at_max_new_tokens(engine):
+    """A forced run is cut at max_new_tokens: before the first token (the request ends without a
+    model step) and after a sampled token."""
+    outs, steps, _ = _steps(engine, [ANSWER_PROMPT], {"regex": ANSWER, "max_new_tokens": 2, "temperature": 0})
+    assert len(outs[0]["output_ids"]) == 2 and outs[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert "The answer is".startswith(outs[0]["text"]) and steps == 0
+    for n in (5, 6, 7):
+        out = engine.generate(ANSWER_PROMPT, sampling_params={"regex": ANSWER, "max_new_tokens": n, "temperature": 0})
+        assert len(out["output_ids"]) == n and out["meta_info"]["finish_reason"]["type"] == "length", out
+        assert any(f"The answer is {a}. Because it is ".startswith(out["text"]) for a in ("yes", "no")), out
+
+
+def test_jump_forward_streams_the_forced_text(engine):
+    async def stream() -> list[dict]:
+        return [c async for c in engine.async_generate(ANSWER_PROMPT, {"regex": ANSWER, "max_new_tokens": 40,
+                                                                        "temperature": 0})]
+
+    chunks = asyncio.run(stream())
+    sizes = [len(c["output_ids"]) for c in chunks]
+    assert max(b - a for a, b in zip([0] + sizes, sizes)) > 1  # a forced run arrives in one chunk
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    _check([("regex", ANSWER)], chunks[-1:])
+
+
+def test_forced_text_tokenizes_as_after_the_last_tokens(engine):
+    tok = engine.tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert forced_tokens(tok, enc('{"'), 'name": ') == enc('{"name": ')[len(enc('{"')):]
+    space = enc(" ")
+    assert enc(" hello")[:1] != space  # the tail would merge with the text: the text is encoded alone
+    assert forced_tokens(tok, space, "hello") == enc("hello")

@@ -202,7 +202,8 @@ def test_second_round_is_served_from_host(tiny_config_path, reference_outputs):
     for i, w in enumerate(want):
         out, meta, _ = got[f"b{i}"]
         assert out == w and meta["cached_tokens"] == 60
-    assert got["b0"][1]["cached_tokens_details"] == {"device": 0, "host": 60, "storage": 0}
+    from_host = {"device": 0, "host": 60, "storage": 0}
+    assert any(got[f"b{i}"][1]["cached_tokens_details"] == from_host for i in range(len(convs)))
     stats = sched.stats()
     assert stats["tokens"]["cached"]["host"] >= 2 * 60
     host = stats["tiers"]["host"]
@@ -267,7 +268,8 @@ def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference
 
 
 def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs):
-    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    # LRU: L1 evicts the oldest conversation, so that b0's prefix comes back from L2
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, radix_eviction_policy="lru")
     late = LateTransfer(sched.cache.controller.transfer)
     sched.cache.controller.transfer = late
     rng = random.Random(4)
@@ -310,7 +312,7 @@ def test_batch_run_on_a_load_that_then_fails_is_dropped_and_recomputed(tiny_conf
     ref.add_request(request("r", convs[0] + [7], sampled))
     want = drain(ref)["r"][0]
 
-    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, radix_eviction_policy="lru")  # b0 from L2
     late = LateTransfer(sched.cache.controller.transfer)
     sched.cache.controller.transfer = late
     faults = Faults(sched)

@@ -361,7 +361,8 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
     ref.add_request(request("b1", b1, sampled))
     want = run(ref, {})["b1"]["ids"]
 
-    sched = scheduler(tiny_config_path, True, total=256, policy="lpm", hicache_ratio=8.0)  # b2 (60 cached) before b1 (40)
+    sched = scheduler(tiny_config_path, True, total=256, policy="lpm", hicache_ratio=8.0,
+                      radix_eviction_policy="lru")  # b2 (60 cached) before b1 (40); a0 leaves L1 for L2
     sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
     ft, faults = fenced(sched), Faults(sched)
     run(sched, {i: [request(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
