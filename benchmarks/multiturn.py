@@ -201,8 +201,9 @@ async def openai_request(http: httpx.AsyncClient, turn: Turn, args) -> Reply:
                 if text:
                     events.append((time.perf_counter(), 1))
                     parts.append(text)
-    if usage is None:
+    if usage is None and not args.allow_missing_usage:
         raise RuntimeError("no usage in the stream (the server ignored stream_options.include_usage)")
+    usage = usage or {"prompt_tokens": 0, "completion_tokens": len(events)}
     details = usage.get("prompt_tokens_details") or {}
     return Reply(events, "".join(parts), usage["prompt_tokens"], usage["completion_tokens"],
                  details.get("cached_tokens") or 0, tier_counts(details.get("cached_tokens_details")))
@@ -430,6 +431,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--extra-body", type=json.loads, default={},
                    help="JSON object merged into every --api openai request body (e.g. an engine's logit_bias)")
+    p.add_argument("--allow-missing-usage", action="store_true",
+                   help="--api openai: a stream without usage counts a token per content chunk and no prompt tokens")
     p.add_argument("--output-length", type=int, default=16, help="tokens generated per request (ignore_eos)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: no pause")
     p.add_argument("--distribution", choices=["poisson", "uniform"], default="poisson")

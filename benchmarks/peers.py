@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -78,19 +77,25 @@ class Batch:
         return []
 
 
-def client_args(url: str, model: str, extra: dict, seed: int, out: int, parallel: int, *more: str):
-    return multiturn.parse_args(["--api", "openai", "--url", url, "--model", model, "--extra-body", json.dumps(extra),
-                                 "--seed", str(seed), "--output-length", str(out), "--max-parallel", str(parallel),
-                                 "--no-flush", "--log-file", "", *more])
+class Target(NamedTuple):
+    url: str
+    model: str
+    flags: tuple[str, ...]  # multiturn.py flags this server's clients need
 
 
-def workload(name: str, url: str, model: str, extra: dict, seed: int, s: Sizes) -> tuple:
+def client_args(t: Target, seed: int, out: int, parallel: int, *more: str) -> argparse.Namespace:
+    return multiturn.parse_args(["--api", "openai", "--url", t.url, "--model", t.model, "--seed", str(seed),
+                                 "--output-length", str(out), "--max-parallel", str(parallel), "--no-flush",
+                                 "--log-file", "", *t.flags, *more])
+
+
+def workload(name: str, t: Target, seed: int, s: Sizes) -> tuple:
     """(client arguments, workload) of one named workload; `seed` draws its prompts."""
     if name == "multiturn":
-        args = client_args(url, model, extra, seed, s.turn_out, s.clients, "--num-clients", str(s.clients),
+        args = client_args(t, seed, s.turn_out, s.clients, "--num-clients", str(s.clients),
                            "--num-rounds", str(s.rounds), "--request-length", str(s.turn))
         return args, multiturn.MultiTurn(args)
-    args = client_args(url, model, extra, seed, s.out, s.batch)
+    args = client_args(t, seed, s.out, s.batch)
     rng = random.Random(seed)
     if name == "mixed":
         return args, Batch([multiturn.question(rng, rng.randint(*s.mixed), args) for _ in range(s.batch)])
@@ -100,28 +105,29 @@ def workload(name: str, url: str, model: str, extra: dict, seed: int, s: Sizes) 
                         for _ in range(s.batch)])
 
 
-def run_workload(name: str, url: str, model: str, extra: dict, seed: int, s: Sizes) -> dict:
-    args, wl = workload(name, url, model, extra, seed, s)
+def run_workload(name: str, t: Target, seed: int, s: Sizes) -> dict:
+    args, wl = workload(name, t, seed, s)
     r = asyncio.run(multiturn.run(args, wl))
+    counted = r["input_token_throughput"] > 0  # a server streaming no usage leaves the prompt tokens uncounted
     return {"seconds": r["duration_s"], "requests": r["requests"], "output_tok_s": r["output_token_throughput"],
-            "total_tok_s": r["input_token_throughput"] + r["output_token_throughput"],
+            "total_tok_s": r["input_token_throughput"] + r["output_token_throughput"] if counted else None,
             "ttft_p50_s": r["ttft_ms"]["p50"] / 1000, "ttft_p90_s": r["ttft_ms"]["p90"] / 1000,
             "cache_hit_rate": r["cache_hit_rate"]}
 
 
-def decode_itl_ms(url: str, model: str, extra: dict, seed: int, s: Sizes) -> float:
+def decode_itl_ms(t: Target, seed: int, s: Sizes) -> float:
     """Milliseconds per generated token of one request alone, after its first token."""
-    args = client_args(url, model, extra, seed, s.itl_out, 1, "--no-warmup")
+    args = client_args(t, seed, s.itl_out, 1, "--no-warmup")
     prompt = [{"role": "user", "content": multiturn.question(random.Random(seed), 32, args)}]
     r = asyncio.run(multiturn.run(args, Batch([prompt])))
     return (r["e2e_ms"]["p50"] - r["ttft_ms"]["p50"]) / max(r["completion_tokens"] - 1, 1)
 
 
-def greedy_texts(url: str, model: str, s: Sizes) -> list[str]:
+def greedy_texts(t: Target, s: Sizes) -> list[str]:
     texts = []
     for prompt in AGREEMENT_PROMPTS[:s.agreement]:
-        body = {"model": model, "prompt": prompt, "max_tokens": s.agreement_out, "temperature": 0.0}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        body = {"model": t.model, "prompt": prompt, "max_tokens": s.agreement_out, "temperature": 0.0}
+        r = httpx.post(t.url + "/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         texts.append(r.json()["choices"][0]["text"])
     return texts
@@ -129,19 +135,19 @@ def greedy_texts(url: str, model: str, s: Sizes) -> list[str]:
 
 def run_peer(peer: peer_servers.Peer, python: Path, args, repeat: int, logs: Path) -> dict:
     """One repeat of one peer: its server started, every workload run, the server stopped."""
-    server, extra = peer_servers.start(peer, python, peer_servers.peers_home(), args.threads,
+    server, flags = peer_servers.start(peer, python, peer_servers.peers_home(), args.threads,
                                        logs / f"{peer.name}-{repeat}.log")
     sampler = peer_servers.RssSampler(server.proc.pid)
     out: dict = {"startup_s": round(server.startup_s, 1)}
     try:
-        model = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        t = Target(server.url, httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"], flags)
         for i, name in enumerate(args.workloads):
             t0 = time.monotonic()
-            out[name] = run_workload(name, server.url, model, extra, args.seed + 100 * repeat + i, args.sizes)
+            out[name] = run_workload(name, t, args.seed + 100 * repeat + i, args.sizes)
             print(f"  {peer.name} {name}: {out[name]['seconds']:.1f} s ({time.monotonic() - t0:.0f} s)", flush=True)
-        out["itl_ms"] = decode_itl_ms(server.url, model, extra, args.seed + 100 * repeat + 99, args.sizes)
+        out["itl_ms"] = decode_itl_ms(t, args.seed + 100 * repeat + 99, args.sizes)
         if repeat == 0:
-            out["greedy"] = greedy_texts(server.url, model, args.sizes)
+            out["greedy"] = greedy_texts(t, args.sizes)
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:300]
         print(f"  {peer.name} failed: {out['error']}\n{server.log_tail(15)}", flush=True)
