@@ -257,10 +257,13 @@ def main(argv=None) -> None:
     runs: dict[str, list[dict]] = {name: [] for name in pythons}
     names = list(pythons)
     with tempfile.TemporaryDirectory(prefix="hicache-peers-") as tmp:
-        for repeat in range(args.repeats):
-            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-                print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
-                runs[name].append(run_peer(peer_servers.PEERS[name], pythons[name], args, repeat, Path(tmp)))
+        try:
+            for repeat in range(args.repeats):
+                for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                    print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
+                    runs[name].append(run_peer(peer_servers.PEERS[name], pythons[name], args, repeat, Path(tmp)))
+        except KeyboardInterrupt:
+            print("interrupted: the figures below are those of the runs that finished")
     print("\n" + table(runs, args.workloads))
     print("\n".join(agreement(runs)))
     multiturn.append_jsonl({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "benchmark": "peers",
