@@ -64,8 +64,8 @@ def _vllm(python: Path, home: Path, threads: int) -> Launch:
     model = hf_folder(home)
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", SERVED_NAME, "--enable-prefix-caching", "--dtype", "float32",
-           "--max-model-len", "8192", "--uvicorn-log-level", "warning"]
+           "--served-model-name", SERVED_NAME, "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--dtype", "float32", "--max-model-len", "8192", "--uvicorn-log-level", "warning"]
     return Launch(cmd, "/health", env, ())
 
 
