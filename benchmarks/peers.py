@@ -109,7 +109,8 @@ def run_workload(name: str, t: Target, seed: int, s: Sizes) -> dict:
     args, wl = workload(name, t, seed, s)
     r = asyncio.run(multiturn.run(args, wl))
     counted = r["input_token_throughput"] > 0  # a server streaming no usage leaves the prompt tokens uncounted
-    return {"seconds": r["duration_s"], "requests": r["requests"], "output_tok_s": r["output_token_throughput"],
+    return {"seconds": r["duration_s"], "requests": r["requests"], "output_tokens": r["completion_tokens"],
+            "output_tok_s": r["output_token_throughput"],
             "total_tok_s": r["input_token_throughput"] + r["output_token_throughput"] if counted else None,
             "ttft_p50_s": r["ttft_ms"]["p50"] / 1000, "ttft_p90_s": r["ttft_ms"]["p90"] / 1000,
             "cache_hit_rate": r["cache_hit_rate"]}
