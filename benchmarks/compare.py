@@ -87,15 +87,19 @@ def free_port() -> int:
 
 
 class Server:
-    """A `hicache serve` process; its log goes to a file, shown if it fails."""
+    """A server process on 127.0.0.1 and a free port (by default `hicache serve`), ready once `ready_path`
+    answers 200; its log goes to a file, shown if it fails. Another engine's server is started by
+    passing its `command` (which must take `--host` and `--port`) and, where it needs them, `env`."""
 
-    def __init__(self, flags: list[str], log: Path, startup_timeout: float = 900):
+    def __init__(self, flags: list[str], log: Path, startup_timeout: float = 900,
+                 command: list[str] | None = None, ready_path: str = "/health", env: dict | None = None):
         start = time.monotonic()
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = log
-        cmd = [*SERVER, "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning", *flags]
+        self.log, self.ready_path = log, ready_path
+        command = [*SERVER, "--log-level", "warning"] if command is None else command
+        cmd = [*command, "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], *flags]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + startup_timeout
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -106,7 +110,7 @@ class Server:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            return httpx.get(self.url + self.ready_path, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

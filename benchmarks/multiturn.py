@@ -186,20 +186,24 @@ async def native_request(http: httpx.AsyncClient, turn: Turn, args) -> Reply:
 
 
 async def openai_request(http: httpx.AsyncClient, turn: Turn, args) -> Reply:
-    body = {"model": args.model, "messages": turn.prompt, "max_tokens": args.output_length, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    """A chat turn (a list of messages) through /v1/chat/completions, a text prompt through /v1/completions."""
+    chat = not isinstance(turn.prompt, str)
+    body = {"model": args.model, "messages" if chat else "prompt": turn.prompt, "max_tokens": args.output_length,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **args.extra_body}
     events, parts, usage = [], [], None
-    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
         await _check(r)
         async for chunk in sse_data(r):
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 if text:
                     events.append((time.perf_counter(), 1))
                     parts.append(text)
-    if usage is None:
+    if usage is None and not args.allow_missing_usage:
         raise RuntimeError("no usage in the stream (the server ignored stream_options.include_usage)")
+    usage = usage or {"prompt_tokens": 0, "completion_tokens": len(events)}
     details = usage.get("prompt_tokens_details") or {}
     return Reply(events, "".join(parts), usage["prompt_tokens"], usage["completion_tokens"],
                  details.get("cached_tokens") or 0, tier_counts(details.get("cached_tokens_details")))
@@ -425,6 +429,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native-input", choices=["ids", "text"], default="ids", help="what native /generate is sent")
     p.add_argument("--model", default=None, help="model name for --api openai (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--extra-body", type=json.loads, default={},
+                   help="JSON object merged into every --api openai request body (e.g. an engine's logit_bias)")
+    p.add_argument("--allow-missing-usage", action="store_true",
+                   help="--api openai: a stream without usage counts a token per content chunk and no prompt tokens")
     p.add_argument("--output-length", type=int, default=16, help="tokens generated per request (ignore_eos)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: no pause")
     p.add_argument("--distribution", choices=["poisson", "uniform"], default="poisson")

@@ -191,3 +191,27 @@ def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
     assert md.index("\n| L1 |") < md.index("\n| L1+L2 |") and "round 2" in md and "compare.py --test" in md
     for suffix in ("ttft_by_round", "throughput", "hit_rate_by_round"):
         assert (tmp_path / f"t_{suffix}.png").stat().st_size > 1000
+
+
+@pytest.mark.model
+def test_peers_workloads_through_openai(small_l1_server):
+    """benchmarks/peers.py's batch workloads (text prompts through /v1/completions, chats behind one
+    system prompt), its batch-1 decode and its greedy texts against the live server."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import peers
+    finally:
+        sys.path.remove(str(BENCH))
+    import httpx
+
+    model = httpx.get(small_l1_server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    target = peers.Target(small_l1_server.url, model, ())
+    sizes = peers.QUICK._replace(batch=2, out=OUTPUT, mixed=(20, 40), system=48, question=8, itl_out=OUTPUT,
+                                 agreement=1, agreement_out=OUTPUT)
+    for name in ("mixed", "shared"):
+        r = peers.run_workload(name, target, 5, sizes)
+        assert r["requests"] == 2 and r["output_tokens"] == 2 * OUTPUT, r
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["seconds"] and r["total_tok_s"] > r["output_tok_s"]
+    assert peers.decode_itl_ms(target, 6, sizes) > 0
+    texts = peers.greedy_texts(target, sizes)
+    assert len(texts) == 1 and texts[0]
