@@ -141,8 +141,11 @@ def main() -> None:
         if args.load_format == "dummy":
             path = with_default_tokenizer(path, Path(tmp), args.tokenizer)
         profile = StepProfile() if args.profile else None
-        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True, disable_jump_forward=off)
-                   for off in ([False, True] if args.compare_jump_forward else [False])]
+        offs = [False, True] if args.compare_jump_forward else [False]
+        # two engines share the device: each gets an L1 sized for the run instead of a memory fraction
+        sized = {"max_total_tokens": 4 * 64 * (args.prompt_tokens + args.new_tokens)} if len(offs) > 1 else {}
+        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True, disable_jump_forward=off,
+                          **sized) for off in offs]
         try:
             run(engines, args, profile)
         finally:
