@@ -53,9 +53,10 @@ inline void storev(float* p, v16 v) { std::memcpy(p, &v, 64); }
 inline float hmax(v16 v) { float m = v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, v[i]); return m; }
 inline float hsum(v16 v) { float s = 0.0f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
 
-// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7.
-inline v16 exp_neg(v16 x) {
+// exp(x), relative error ~2e-7; 0 below -87, finite above 88 (the callers need no more).
+inline v16 exp_v(v16 x) {
     x = x < -87.0f ? v16{} - 87.0f : x;
+    x = x > 88.0f ? v16{} + 88.0f : x;
     const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
     const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
     v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
@@ -79,19 +80,6 @@ struct Paged {
     const i64* q_starts; const i64* out_loc; i64 n_reqs; i64 hq; i64 hkv; i64 d;
     i64 k_new_stride; i64 v_new_stride; float scale; i64 window; void* out;
 };
-
-template <typename T>
-void store_new(const Paged& a, i64 total, int nthreads) {
-    const i64 row = a.hkv * a.d;
-    #pragma omp parallel for num_threads(nthreads) if (total * row > 65536)
-    for (i64 t = 0; t < total; ++t) {
-        const i64 slot = a.out_loc[t];
-        for (i64 e = 0; e < row; ++e) {
-            static_cast<T*>(a.k_buf)[slot * row + e] = static_cast<const T*>(a.k_new)[t * a.k_new_stride + e];
-            static_cast<T*>(a.v_buf)[slot * row + e] = static_cast<const T*>(a.v_new)[t * a.v_new_stride + e];
-        }
-    }
-}
 
 // Per-thread buffers of one task: its query rows (scaled), their accumulators and running max /
 // sum, one block of keys (transposed) and values, the block's scores.
@@ -146,11 +134,11 @@ float block_softmax(Scratch& sc, i64 r, i64 j0, i64 nk, i64 window) {
     }
     v16 sum{};
     for (int c = 0; c < 4; ++c) {
-        const v16 p = vis[c] ? exp_neg(loadv(s + 16 * c) - m) : v16{};
+        const v16 p = vis[c] ? exp_v(loadv(s + 16 * c) - m) : v16{};
         storev(s + 16 * c, p);
         sum += p;
     }
-    const float corr = sc.m[r] == -INFINITY ? 0.0f : exp_neg(v16{} + (sc.m[r] - m))[0];
+    const float corr = sc.m[r] == -INFINITY ? 0.0f : exp_v(v16{} + (sc.m[r] - m))[0];
     sc.m[r] = m;
     sc.l[r] = sc.l[r] * corr + hsum(sum);
     return corr;
@@ -242,17 +230,31 @@ void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
     }
 }
 
+// Below this many multiply-adds a call runs on one thread: waking the team costs more.
+constexpr i64 SERIAL_WORK = 1 << 19;
+constexpr i64 SERIAL_ELEMENTS = 1 << 17;  // the same for the elementwise kernels
+
 template <typename T>
 void paged_attention(const Paged& a, int nthreads) {
     const i64 G = a.hq / a.hkv, qb = block_tokens(G);
-    i64 total = 0, tasks = 0;
+    i64 total = 0, tasks = 0, work = 0;
     for (i64 i = 0; i < a.n_reqs; ++i) {
-        total += a.extend_lens[i];
-        tasks += (a.extend_lens[i] + qb - 1) / qb * a.hkv;
+        const i64 n = a.extend_lens[i];
+        total += n;
+        tasks += (n + qb - 1) / qb * a.hkv;
+        work += n * (a.prefix_lens[i] + (n + 1) / 2) * a.hq * a.d * 2;
     }
-    store_new<T>(a, total, nthreads);
-    #pragma omp parallel num_threads(nthreads) if (tasks > 1)
+    const i64 row = a.hkv * a.d;
+    #pragma omp parallel num_threads(work < SERIAL_WORK || tasks < 2 ? 1 : nthreads)
     {
+        #pragma omp for
+        for (i64 t = 0; t < total; ++t) {  // the new tokens' K/V first: every task may read them
+            const i64 slot = a.out_loc[t];
+            for (i64 e = 0; e < row; ++e) {
+                static_cast<T*>(a.k_buf)[slot * row + e] = static_cast<const T*>(a.k_new)[t * a.k_new_stride + e];
+                static_cast<T*>(a.v_buf)[slot * row + e] = static_cast<const T*>(a.v_new)[t * a.v_new_stride + e];
+            }
+        }
         Scratch sc(qb * G, a.d);
         #pragma omp for schedule(dynamic, 1)
         for (i64 task = 0; task < tasks; ++task) {
@@ -271,7 +273,7 @@ void paged_attention(const Paged& a, int nthreads) {
 template <typename T>
 void add_rmsnorm(const void* x, const void* delta, const void* w, void* sum_out, void* out, i64 n_rows,
                  i64 h, float eps, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (n_rows * h > 65536)
+    #pragma omp parallel for num_threads(nthreads) if (n_rows * h > SERIAL_ELEMENTS)
     for (i64 r = 0; r < n_rows; ++r) {
         const T* xr = static_cast<const T*>(x) + r * h;
         const T* dr = delta ? static_cast<const T*>(delta) + r * h : nullptr;
@@ -306,7 +308,7 @@ void rotate(const T* src, T* dst, const float* cs, i64 half) {
 template <typename T>
 void rope(const i64* positions, const void* q, const void* k, void* q_out, void* k_out, const float* cos_sin,
           i64 n_tokens, i64 hq, i64 hk, i64 d, i64 q_stride, i64 k_stride, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (n_tokens * (hq + hk) * d > 65536)
+    #pragma omp parallel for num_threads(nthreads) if (n_tokens * (hq + hk) * d > SERIAL_ELEMENTS)
     for (i64 t = 0; t < n_tokens; ++t) {
         const float* cs = cos_sin + positions[t] * d;
         for (i64 hh = 0; hh < hq; ++hh)
@@ -320,14 +322,20 @@ void rope(const i64* positions, const void* q, const void* k, void* q_out, void*
 
 template <typename T>
 void silu_mul(const void* x, void* out, i64 n_rows, i64 n, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (n_rows * n > 65536)
+    #pragma omp parallel for num_threads(nthreads) if (n_rows * n > SERIAL_ELEMENTS)
     for (i64 r = 0; r < n_rows; ++r) {
         const T* g = static_cast<const T*>(x) + r * 2 * n;
         T* o = static_cast<T*>(out) + r * n;
-        for (i64 e = 0; e < n; ++e) {
+        i64 e = 0;
+        for (; e + 16 <= n; e += 16) {
+            v16 v, u;
+            for (int i = 0; i < 16; ++i) { v[i] = load<T>(g, e + i); u[i] = load<T>(g, n + e + i); }
+            const v16 act = v / (1.0f + exp_v(-v));
+            for (int i = 0; i < 16; ++i) store<T>(o, e + i, round_to<T>(act[i]) * u[i]);
+        }
+        for (; e < n; ++e) {
             const float v = load<T>(g, e);
-            const float act = round_to<T>(v / (1.0f + std::exp(-v)));
-            store<T>(o, e, act * load<T>(g, n + e));
+            store<T>(o, e, round_to<T>(v / (1.0f + std::exp(-v))) * load<T>(g, n + e));
         }
     }
 }

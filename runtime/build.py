@@ -69,8 +69,11 @@ def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
                                  window=max(windows.values()) if windows else None)
     if cc.storage and controller.enabled:
         attach_storage(controller, cc, rc, loaded, host_pool)
+    cpu_kernels = device.type == "cpu" and not rc.disable_cpu_kernels
+    if cpu_kernels and hasattr(loaded.model, "use_cpu_kernels"):
+        loaded.model.use_cpu_kernels()
     attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
-                          cfg.attn_scale, cfg.layer_windows)
+                          cfg.attn_scale, cfg.layer_windows, cpu_kernels)
     runner = ModelRunner(loaded.model, pool, req_table, attn, device,
                          cuda_graph=not rc.disable_cuda_graph, max_batch=rc.max_running_requests)
     logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,

@@ -154,24 +154,25 @@ def check_names(name: str, decode_name: str) -> None:
 
 
 def resolve(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-            head_dim: int, windowed: bool = False) -> tuple[str, str]:
+            head_dim: int, windowed: bool = False, cpu_kernels: bool = True) -> tuple[str, str]:
     """The concrete (prefill, decode) names for a KV pool of this dtype and head size on this
     device, for a model with (`windowed`) or without sliding-window layers: "auto" as the module
-    docstring says (never flashinfer for a windowed model), other names kept."""
+    docstring says (never flashinfer for a windowed model; never cpu without `cpu_kernels`),
+    other names kept."""
     check_names(name, decode_name)
     cuda = _cuda(device)
     if name == "auto":
         from hicache.kernels import flashinfer
 
         fits = cuda and not windowed and flashinfer.available() and flashinfer.supports(dtype, head_dim)
-        name = "flashinfer" if fits else ("triton" if cuda else _cpu_or_torch(device, dtype, head_dim))
+        name = "flashinfer" if fits else ("triton" if cuda else _cpu_or_torch(device, dtype, head_dim, cpu_kernels))
         if decode_name == "auto":
             decode_name = "triton" if cuda else name
     return name, name if decode_name == "auto" else decode_name
 
 
-def _cpu_or_torch(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    if device.type != "cpu":
+def _cpu_or_torch(device: torch.device, dtype: torch.dtype, head_dim: int, allowed: bool) -> str:
+    if device.type != "cpu" or not allowed:
         return "torch"
     from hicache.kernels import cpu
 
@@ -179,13 +180,15 @@ def _cpu_or_torch(device: torch.device, dtype: torch.dtype, head_dim: int) -> st
 
 
 def make_attention(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-                   head_dim: int, scale: float | None = None, windows: Windows = ()) -> AttentionBackend:
+                   head_dim: int, scale: float | None = None, windows: Windows = (),
+                   cpu_kernels: bool = True) -> AttentionBackend:
     """The backend for a model on `device` whose KV pool holds `dtype` and heads of `head_dim`,
     attending with `scale` (None: head_dim**-0.5) and per-layer sliding `windows`: the one
-    backend `resolve` names, or a `SplitAttention` when prefill and decode differ.
+    backend `resolve` names (auto never naming cpu without `cpu_kernels`), or a
+    `SplitAttention` when prefill and decode differ.
     ValueError for unknown names, and for a backend that cannot run here."""
     windows = windows if any(windows) else ()
-    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows))
+    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows), cpu_kernels)
     prefill = BACKENDS[prefill_name](head_dim, device, scale, windows)
     if decode_name == prefill_name:
         return prefill

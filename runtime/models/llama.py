@@ -46,9 +46,20 @@ def _cuda_kernels():
                                  silu_mul=fused.silu_mul, linear_rows=linear.linear_rows, prefers_rows=linear.prefers)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. On CUDA, decode-sized batches go through the Triton few-row kernel where it is
-    the faster one (`hicache.kernels.linear.prefers`), everything else through F.linear."""
+@functools.cache
+def _cpu_kernels():
+    """The compiled CPU kernels (`hicache.kernels.cpu`) where they build, else None."""
+    from hicache.kernels import cpu
+
+    return cpu if cpu.available() else None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T. With `packed` (w prepacked for oneDNN on CPU, `LlamaForCausalLM.use_cpu_kernels`)
+    through oneDNN; on CUDA, decode-sized batches go through the Triton few-row kernel where it
+    is the faster one (`hicache.kernels.linear.prefers`); everything else through F.linear."""
+    if packed is not None:
+        return _cpu_kernels().linear(x, packed)
     kernels = _cuda_kernels() if x.is_cuda else None
     if kernels is not None and kernels.prefers_rows(x, w):
         return kernels.linear_rows(x, w)
@@ -63,18 +74,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    cpu: Any = None  # the CPU kernels, once `LlamaForCausalLM.use_cpu_kernels` turned them on
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu is not None and x.dim() == 2:
+            return self.cpu.rmsnorm(x, self.weight, self.eps)
         if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:  # one launch instead of ~7
             return _cuda_kernels().rmsnorm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add before this norm: (x + delta, norm(x + delta)), one launch on CUDA."""
+        """The residual add before this norm: (x + delta, norm(x + delta)), one launch on CUDA
+        (one call with the CPU kernels)."""
+        if self.cpu is not None and x.dim() == 2:
+            return self.cpu.add_rmsnorm(x, delta, self.weight, self.eps)
         if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:
             return _cuda_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
         total = x + delta
@@ -118,6 +136,8 @@ class RotaryEmbedding(nn.Module):
     before capturing graphs or running past max_position_embeddings (no device sync in forward).
     """
 
+    cpu: Any = None  # the CPU kernels, once `LlamaForCausalLM.use_cpu_kernels` turned them on
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inv_freq = rope_inv_freq(config)  # [D/2] fp32, CPU
@@ -148,6 +168,8 @@ class RotaryEmbedding(nn.Module):
             return _cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0].weight, qk_norm[0].eps), rms_norm(k, qk_norm[1].weight, qk_norm[1].eps)
+        if self.cpu is not None:
+            return self.cpu.rope(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -158,6 +180,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaAttention(nn.Module):
+    LINEARS = ("qkv_proj", "o_proj")  # the weights `use_cpu_kernels` prepacks into `packs`
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.layer_id = layer_id
@@ -168,33 +192,41 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if config.qkv_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.packs: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
-        qkv = linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj, self.packs.get("qkv_proj"))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return linear(out.reshape(T, self.q_size), self.o_proj)
+        return linear(out.reshape(T, self.q_size), self.o_proj, self.packs.get("o_proj"))
 
 
 class LlamaMLP(nn.Module):
+    LINEARS = ("gate_up_proj", "down_proj")
+    cpu: Any = None
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  intermediate_size: int | None = None):
         super().__init__()
         self.intermediate_size = inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = _param(2 * inter, config.hidden_size, dtype=dtype, device=device)
         self.down_proj = _param(config.hidden_size, inter, dtype=dtype, device=device)
+        self.packs: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj"))
+        down = self.packs.get("down_proj")
+        if self.cpu is not None and gate_up.dim() == 2:
+            return linear(self.cpu.silu_mul(gate_up), self.down_proj, down)
         if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
             return linear(_cuda_kernels().silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(gate) * up, self.down_proj, down)
 
     def weight_names(self) -> list[str]:
         return ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
@@ -244,6 +276,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config)
+        self.packs: dict[str, torch.Tensor] = {}
+
+    def use_cpu_kernels(self, on: bool = True) -> bool:
+        """Runs the layers' RMSNorm, RoPE and SiLU-mul on the compiled CPU kernels
+        (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now (a copy
+        of each, kept beside the weights), or, with `on` False, back on torch ops. Only a CPU model
+        of float32 or bfloat16 turns them on, and only where the kernels build; returns whether
+        they are on. Call it once the weights are final: `load_weights` turns them off."""
+        kernels = _cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
+            torch.float32, torch.bfloat16) else None
+        pack = kernels.pack_linear if kernels is not None else (lambda w: None)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
+                module.cpu = kernels
+            if hasattr(module, "LINEARS"):
+                module.packs = {name: p for name in module.LINEARS if (p := pack(getattr(module, name))) is not None}
+        lm_head = pack(self.lm_head)
+        self.packs = {} if lm_head is None else {"lm_head": lm_head}
+        return kernels is not None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -260,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, self.packs.get("lm_head")).float()
 
     # ---- weights -------------------------------------------------------------------------
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -270,6 +321,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors (`model.layers.3.self_attn.q_proj.weight`, ...) into the fused
         parameters, converting dtype and device. Returns the HF names it consumed; unknown names
         (rotary inv_freq buffers, ...) are skipped. Call `check_loaded` afterwards."""
+        self.use_cpu_kernels(False)
         loaded = set()
         experts = self.config.moe.num_experts if self.config.moe is not None else 0
         for name, tensor in weights:
