@@ -247,6 +247,22 @@ def make_mlp(config: ModelConfig, layer_id: int, dtype: torch.dtype, device: tor
     return SparseMoeBlock(config, dtype, device, shared)
 
 
+def _repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False) -> None:
+    """Restores `module`'s packed weights, then, with `kernels`, packs `names` into
+    `module.packs` (each parameter's data emptied unless `keep`)."""
+    for name, packed in module.packs.items():
+        if getattr(module, name).numel() == 0:
+            getattr(module, name).data = packed.to_dense()
+    module.packs = {}
+    for name in names if kernels is not None else ():
+        weight = getattr(module, name)
+        packed = kernels.pack_linear(weight)
+        if packed is not None:
+            module.packs[name] = packed
+            if not keep:
+                weight.data = weight.data.new_empty(0)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -280,20 +296,19 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, on: bool = True) -> bool:
         """Runs the layers' RMSNorm, RoPE and SiLU-mul on the compiled CPU kernels
-        (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now (a copy
-        of each, kept beside the weights), or, with `on` False, back on torch ops. Only a CPU model
-        of float32 or bfloat16 turns them on, and only where the kernels build; returns whether
-        they are on. Call it once the weights are final: `load_weights` turns them off."""
+        (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now, or, with
+        `on` False, back on torch ops. Only a CPU model of float32 or bfloat16 turns them on, and
+        only where the kernels build; returns whether they are on. A packed weight replaces its
+        parameter's data (left empty, restored when turned off), but for a tied lm_head, which the
+        embedding still reads. Call it once the weights are final: `load_weights` turns it off."""
         kernels = _cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
-        pack = kernels.pack_linear if kernels is not None else (lambda w: None)
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 module.cpu = kernels
             if hasattr(module, "LINEARS"):
-                module.packs = {name: p for name in module.LINEARS if (p := pack(getattr(module, name))) is not None}
-        lm_head = pack(self.lm_head)
-        self.packs = {} if lm_head is None else {"lm_head": lm_head}
+                _repack(module, module.LINEARS, kernels)
+        _repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
         return kernels is not None
 
     @torch.inference_mode()
