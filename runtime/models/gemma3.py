@@ -105,6 +105,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb = RotaryPair(config)
+        self.packs: dict[str, torch.Tensor] = {}  # use_cpu_kernels: the prepacked lm_head
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))  # rounded to dtype, as HF
 
     @torch.inference_mode()
