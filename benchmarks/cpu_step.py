@@ -6,12 +6,13 @@ medians of the repeats, and the ratio of each to the first. Prints a table; appe
 
 Workloads (fresh random prompts each repeat, greedy, EOS ignored, radix cache off):
 - prefill: one prompt of `--prompt-tokens` tokens, one new token (the time of the request);
-- decode at batch 1 and `--batch`: the inter-token latency, (time of N + 1 new tokens - time of
-  1 new token) / N, for prompts of 100 tokens.
+- decode at batch 1 and `--batch`: the inter-token latency of prompts of 100 tokens sent at once,
+  streamed: (last token's arrival - first token's) / (N - 1), the median over the batch.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -41,15 +42,23 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+async def inter_token_latency(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    async def one(ids: list[int]) -> float:
+        arrivals = [time.perf_counter() async for _ in engine.async_generate(input_ids=ids, sampling_params=params)]
+        return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+
+    return statistics.median(await asyncio.gather(*(one(p) for p in prompts)))
+
+
 def workloads(args, rng: random.Random) -> dict:
     def prompts(n: int, length: int) -> list[list[int]]:
         return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
     def decode(batch: int):
         def run(engine: Engine) -> float:
-            ps = prompts(batch, 100)
-            one = timed(engine, ps, 1)
-            return (timed(engine, [p[::-1] for p in ps], args.new_tokens + 1) - one) / args.new_tokens
+            return asyncio.run(inter_token_latency(engine, prompts(batch, 100), args.new_tokens))
         return run
 
     return {"prefill": lambda engine: timed(engine, prompts(1, args.prompt_tokens), 1),
@@ -62,12 +71,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     variants = args.variants.split(";")
-    engines = [Engine(None, disable_radix_cache=True, disable_hierarchical_cache=True, **parse_variant(v))
-               for v in variants]
+    engines = [Engine(None, disable_radix_cache=True, disable_hierarchical_cache=True, max_total_tokens=16384,
+                      **parse_variant(v)) for v in variants]
     rng = random.Random(0)
     work = workloads(args, rng)
     for engine in engines:
