@@ -94,8 +94,11 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks, frozenset(windows))
+    cpu_kernels = device.type == "cpu" and not rc.disable_cpu_kernels
+    if cpu_kernels and hasattr(loaded.model, "use_cpu_kernels"):
+        loaded.model.use_cpu_kernels()
     attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
-                          cfg.attn_scale, cfg.layer_windows)
+                          cfg.attn_scale, cfg.layer_windows, cpu_kernels)
     return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context)
 
 

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 
+import torch
 import uvicorn
 
 from hicache.server.app import MAX_HEADER_BYTES, create_app
@@ -32,6 +33,7 @@ EXIT_SCHEDULER_DIED = 3
 
 def run(server_config: ServerConfig, runtime_config, cache_config, factory: str = DEFAULT_FACTORY) -> int:
     """Serve until stopped; returns the process exit code."""
+    torch.set_num_threads(1)  # the scheduler process computes; the cores are its pool's (scheduler_process)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(_serve(server_config, runtime_config, cache_config, factory))

@@ -52,6 +52,8 @@ def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, fa
     """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). `keys`
     reach it as spawn arguments (through the pipe multiprocessing feeds the child, never a file or
     the environment). With `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
+    # OpenMP reads its wait policy when torch loads it: in the child's environment, before it starts
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=main,
@@ -108,14 +110,21 @@ def _freeze_heap() -> None:
 
 
 def _set_cpu_threads() -> None:
-    """Leave one core to the HTTP process (tokenizing, detokenizing, SSE). With every core in
-    torch's intra-op pool the two processes oversubscribe the CPU, and an OpenMP team whose
-    threads get descheduled runs several times slower than one thread. OMP_NUM_THREADS wins."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
+    """torch's pool: one thread per core this process may run on (its affinity, not the host's
+    count), no inter-op pool. The HTTP process keeps torch to one thread (`launch.run`) and
+    sleeps on its sockets between tokens, so the two do not oversubscribe the cores; the pool's
+    threads wait passively (`start`): spinning, they would hold the cores the HTTP process
+    needs. OMP_NUM_THREADS wins."""
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_cores())
+    torch.set_num_interop_threads(1)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _connect(ctx: zmq.Context, paths: IpcPaths, keys: SchedulerKeys) -> tuple[zmq.Socket, zmq.Socket]:

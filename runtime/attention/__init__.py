@@ -7,12 +7,14 @@ and with it its optional dependencies (triton, flashinfer), only when that backe
 concrete backend: nothing is chosen later.
 
 Names (`attention_backend` for prefill and extend, `decode_attention_backend` for decode):
-"torch" is the reference path (any device, used on CPU); "triton" runs the Triton kernels of
-`hicache.kernels` (CUDA); "flashinfer" runs FlashInfer's paged kernels (CUDA, fp16/bf16). "auto"
-(`resolve`): prefill and extend on flashinfer where it is importable and serves the pool's dtype
-and head size on CUDA, else triton on CUDA, else torch; decode as the prefill name, or, when both
-are "auto", triton on CUDA (measured faster at decode than FlashInfer's, slower at extend; see
-benchmarks/RESULTS.md) and torch elsewhere.
+"torch" is the reference path (any device); "cpu" runs the compiled CPU kernel of
+`hicache.kernels.cpu` (float32 and bfloat16 pools; it reads the pool in place, where "torch"
+gathers each request's KV); "triton" runs the Triton kernels of `hicache.kernels` (CUDA);
+"flashinfer" runs FlashInfer's paged kernels (CUDA, fp16/bf16). "auto" (`resolve`): prefill and
+extend on flashinfer where it is importable and serves the pool's dtype and head size on CUDA,
+else triton on CUDA; on CPU "cpu" where the kernels build and serve the pool's dtype, else torch;
+decode as the prefill name, or, when both are "auto", triton on CUDA (measured faster at decode
+than FlashInfer's, slower at extend; see benchmarks/RESULTS.md).
 
 This module imports no torch, so that `RuntimeConfig` (and with it the CLI's flag parsing) can
 check names against `NAMES` without loading it.
@@ -97,6 +99,18 @@ def _torch(head_dim: int, device: torch.device, scale: float | None, windows: Wi
     return TorchAttention(head_dim, scale, windows)
 
 
+def _cpu(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU, got {device}")
+    from hicache.kernels import cpu
+
+    if not cpu.available():
+        raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernels; use torch")
+    from hicache.runtime.attention.cpu import CpuAttention
+
+    return CpuAttention(head_dim, scale, windows)
+
+
 def _triton(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
     _require_cuda("triton", device)
     from hicache.runtime.attention.triton import TritonAttention
@@ -128,7 +142,7 @@ def _cuda(device: torch.device) -> bool:
 
 # name -> factory(head_dim, device, scale (None: head_dim**-0.5), windows)
 BACKENDS: dict[str, Callable[[int, torch.device, float | None, Windows], AttentionBackend]] = {
-    "torch": _torch, "triton": _triton, "flashinfer": _flashinfer}
+    "torch": _torch, "cpu": _cpu, "triton": _triton, "flashinfer": _flashinfer}
 NAMES = ("auto", *BACKENDS)  # what attention_backend and decode_attention_backend accept
 
 
@@ -140,30 +154,41 @@ def check_names(name: str, decode_name: str) -> None:
 
 
 def resolve(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-            head_dim: int, windowed: bool = False) -> tuple[str, str]:
+            head_dim: int, windowed: bool = False, cpu_kernels: bool = True) -> tuple[str, str]:
     """The concrete (prefill, decode) names for a KV pool of this dtype and head size on this
     device, for a model with (`windowed`) or without sliding-window layers: "auto" as the module
-    docstring says (never flashinfer for a windowed model), other names kept."""
+    docstring says (never flashinfer for a windowed model; never cpu without `cpu_kernels`),
+    other names kept."""
     check_names(name, decode_name)
     cuda = _cuda(device)
     if name == "auto":
         from hicache.kernels import flashinfer
 
         fits = cuda and not windowed and flashinfer.available() and flashinfer.supports(dtype, head_dim)
-        name = "flashinfer" if fits else ("triton" if cuda else "torch")
+        name = "flashinfer" if fits else ("triton" if cuda else _cpu_or_torch(device, dtype, head_dim, cpu_kernels))
         if decode_name == "auto":
-            decode_name = "triton" if cuda else "torch"
+            decode_name = "triton" if cuda else name
     return name, name if decode_name == "auto" else decode_name
 
 
+def _cpu_or_torch(device: torch.device, dtype: torch.dtype, head_dim: int, allowed: bool) -> str:
+    if device.type != "cpu" or not allowed:
+        return "torch"
+    from hicache.kernels import cpu
+
+    return "cpu" if cpu.supports(dtype, head_dim) and cpu.available() else "torch"
+
+
 def make_attention(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-                   head_dim: int, scale: float | None = None, windows: Windows = ()) -> AttentionBackend:
+                   head_dim: int, scale: float | None = None, windows: Windows = (),
+                   cpu_kernels: bool = True) -> AttentionBackend:
     """The backend for a model on `device` whose KV pool holds `dtype` and heads of `head_dim`,
     attending with `scale` (None: head_dim**-0.5) and per-layer sliding `windows`: the one
-    backend `resolve` names, or a `SplitAttention` when prefill and decode differ.
+    backend `resolve` names (auto never naming cpu without `cpu_kernels`), or a
+    `SplitAttention` when prefill and decode differ.
     ValueError for unknown names, and for a backend that cannot run here."""
     windows = windows if any(windows) else ()
-    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows))
+    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows), cpu_kernels)
     prefill = BACKENDS[prefill_name](head_dim, device, scale, windows)
     if decode_name == prefill_name:
         return prefill

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
-from hicache.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RotaryEmbedding, linear
+from hicache.runtime.models.layers import RotaryEmbedding, linear
+from hicache.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from hicache.runtime.models.sharding import vocab_embedding
 from hicache.runtime.parallel import SINGLE, TensorParallel
 
@@ -64,18 +65,19 @@ class Gemma3Attention(LlamaAttention):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear(x, self.qkv_proj, self.packs.get("qkv_proj"))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
         q, k = rope(positions, q, k)
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj))
+        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj, self.packs.get("o_proj")))
 
 
 class GegluMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return self.reduced(linear(F.gelu(gate, approximate="tanh") * up, self.down_proj))
+        gate, up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj")).chunk(2, dim=-1)
+        return self.reduced(linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, self.packs.get("down_proj")))
 
 
 class Gemma3DecoderLayer(nn.Module):

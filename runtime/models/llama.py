@@ -1,7 +1,7 @@
 """Llama-family decoder: Llama 2/3/3.1, Mistral (sliding window in the attention backend), SmolLM2, Qwen2/2.5, Qwen3,
 and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral.
 
-Our own implementation: RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), GQA attention
+Our own implementation (the norms, RoPE and linears in `models/layers.py`): GQA attention
 through a pluggable backend, SwiGLU MLP or a sparse MLP (`models/moe.py`), optional tied
 embeddings. The families differ by config options only (`ModelConfig.qkv_bias`, `qk_norm`,
 `moe`): a Llama layer runs exactly the Llama code. Weights are fused on load (q/k/v into
@@ -15,11 +15,7 @@ the KV pool, attends with scale head_dim**-0.5 and returns [T, num_heads, head_d
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import math
 import re
-import types
 from typing import Any, Iterable
 
 import torch
@@ -27,137 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models.layers import RMSNorm, RotaryEmbedding, _cpu_kernels, _cuda_kernels, _repack, linear
 from hicache.runtime.models.moe import SparseMoeBlock, covered_names, hf_name
 from hicache.runtime.models.sharding import Index, fused_rows, index, scaled, sharded_param, take, vocab_embedding
 from hicache.runtime.parallel import SINGLE, TensorParallel
 
 
-@functools.cache
-def _cuda_kernels():
-    """The layer's Triton kernels (RMSNorm, add + RMSNorm, RoPE, SiLU-mul, few-row linear) where
-    triton is installed, else None."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from hicache.kernels import fused, linear
-
-    return types.SimpleNamespace(rmsnorm=fused.rmsnorm, add_rmsnorm=fused.add_rmsnorm, rope=fused.rope,
-                                 silu_mul=fused.silu_mul, linear_rows=linear.linear_rows, prefers_rows=linear.prefers)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. On CUDA, decode-sized batches go through the Triton few-row kernel where it is
-    the faster one (`hicache.kernels.linear.prefers`), everything else through F.linear."""
-    kernels = _cuda_kernels() if x.is_cuda else None
-    if kernels is not None and kernels.prefers_rows(x, w):
-        return kernels.linear_rows(x, w)
-    return F.linear(x, w)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch path. As HF: normalise in fp32, cast back, then scale in the model dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:  # one launch instead of ~7
-            return _cuda_kernels().rmsnorm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add before this norm: (x + delta, norm(x + delta)), one launch on CUDA."""
-        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:
-            return _cuda_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
-        total = x + delta
-        return total, rms_norm(total, self.weight, self.eps)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with the config's scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "freq_factors":
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope type {kind!r}")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old_len = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a lazily built fp32 cos/sin cache.
-
-    The cache covers `max(max_position_embeddings, ensure(n))` positions and is built on first use
-    on the device of the positions. On CPU a larger position grows it; on CUDA call `ensure(n)`
-    before capturing graphs or running past max_position_embeddings (no device sync in forward).
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.inv_freq = rope_inv_freq(config)  # [D/2] fp32, CPU
-        self.max_positions = config.max_position_embeddings
-        self.cos_sin: torch.Tensor | None = None  # [P, D] fp32: cos in [:, :D/2], sin in [:, D/2:]
-
-    def ensure(self, num_positions: int, device: torch.device | str | None = None) -> None:
-        self.max_positions = max(self.max_positions, num_positions)
-        if device is not None:
-            dev = torch.device(device)
-        else:
-            dev = self.cos_sin.device if self.cos_sin is not None else torch.device("cpu")
-        if self.cos_sin is None or self.cos_sin.shape[0] < self.max_positions or self.cos_sin.device != dev:
-            t = torch.arange(self.max_positions, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq)
-            self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dev)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype).
-        qk_norm: per-head RMSNorms applied to q and k first (one launch with the rotation on CUDA)."""
-        if self.cos_sin is None or self.cos_sin.device != positions.device:
-            self.ensure(self.max_positions, positions.device)
-        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
-            self.ensure(2 * int(positions.max()) + 1, positions.device)
-        if positions.is_cuda and _cuda_kernels() is not None:  # one launch for q and k
-            norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            return _cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
-        if qk_norm is not None:
-            q, k = rms_norm(q, qk_norm[0].weight, qk_norm[0].eps), rms_norm(k, qk_norm[1].weight, qk_norm[1].eps)
-        cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class LlamaAttention(nn.Module):
     """Column-parallel q/k/v (this rank's query heads and the KV heads they read), row-parallel
     o_proj summed over the ranks; the per-head q/k norms are whole on every rank."""
+
+    LINEARS = ("qkv_proj", "o_proj")  # the weights `use_cpu_kernels` prepacks into `packs`
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
                  tp: TensorParallel = SINGLE):
@@ -177,17 +53,18 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = sharded_param((full_qkv,), fused, dtype, device) if config.qkv_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.packs: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
-        qkv = linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj, self.packs.get("qkv_proj"))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
         out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj))
+        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj, self.packs.get("o_proj")))
 
     def targets(self) -> dict[str, tuple[torch.Tensor, Index]]:
         """`self_attn.<name>` -> (the parameter or the rows of a fused one it fills, the part of
@@ -207,6 +84,9 @@ class LlamaMLP(nn.Module):
     dimension), summed over the ranks unless `reduce` is False (a shared expert, which the sparse
     MLP sums with the routed experts)."""
 
+    LINEARS = ("gate_up_proj", "down_proj")
+    cpu: Any = None
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  intermediate_size: int | None = None, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
@@ -217,13 +97,17 @@ class LlamaMLP(nn.Module):
         fused = index(tp, fused_rows([(full, part), (full, part)]))
         self.gate_up_proj = sharded_param((2 * full, config.hidden_size), fused, dtype, device)
         self.down_proj = sharded_param((config.hidden_size, full), self.parts["down"], dtype, device)
+        self.packs: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
+        gate_up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj"))
+        down = self.packs.get("down_proj")
+        if self.cpu is not None and gate_up.dim() == 2:
+            return linear(self.cpu.silu_mul(gate_up), self.down_proj, down)
         if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
             return self.reduced(linear(_cuda_kernels().silu_mul(gate_up), self.down_proj))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.reduced(linear(F.silu(gate) * up, self.down_proj))
+        return self.reduced(linear(F.silu(gate) * up, self.down_proj, down))
 
     def reduced(self, out: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(out) if self.reduce else out
@@ -295,6 +179,24 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = sharded_param(full, index(tp, self.vocab), dtype, device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else sharded_param(
             full, index(tp, self.vocab), dtype, device)
+        self.packs: dict[str, torch.Tensor] = {}  # use_cpu_kernels: the prepacked lm_head
+
+    def use_cpu_kernels(self, on: bool = True) -> bool:
+        """Runs the layers' RMSNorm, RoPE and SiLU-mul on the compiled CPU kernels
+        (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now, or, with
+        `on` False, back on torch ops. Only a CPU model of float32 or bfloat16 turns them on, and
+        only where the kernels build; returns whether they are on. A packed weight replaces its
+        parameter's data (left empty, restored when turned off), but for a tied lm_head, which the
+        embedding still reads. Call it once the weights are final: `load_weights` turns it off."""
+        kernels = _cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
+            torch.float32, torch.bfloat16) else None
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
+                module.cpu = kernels
+            if hasattr(module, "LINEARS"):
+                _repack(module, module.LINEARS, kernels)
+        _repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
+        return kernels is not None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -311,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32, the whole vocabulary on every rank."""
-        return self.tp.all_gather(F.linear(hidden, self.lm_head)).float()
+        return self.tp.all_gather(linear(hidden, self.lm_head, self.packs.get("lm_head"))).float()
 
     # ---- weights -------------------------------------------------------------------------
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -323,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         tensors, or lazy safetensors slices of which only this rank's part is read. Returns the
         HF names it consumed; unknown names (rotary inv_freq buffers, ...) are skipped. Call
         `check_loaded` afterwards."""
+        self.use_cpu_kernels(False)
         loaded = set()
         experts = self.config.moe.num_experts if self.config.moe is not None else 0
         for name, tensor in weights:

@@ -6,7 +6,7 @@ import kernel_env as env  # first: it may turn on Triton's interpreter
 import pytest
 import torch
 
-from hicache.runtime.models.llama import _rotate, rms_norm
+from hicache.runtime.models.layers import _rotate, rms_norm
 
 pytestmark = env.kernels
 if env.CUDA or env.INTERPRETED:

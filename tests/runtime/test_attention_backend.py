@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hicache.runtime.attention import NAMES, SplitAttention, make_attention, resolve
+from hicache.runtime.attention.cpu import CpuAttention
 from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.config import RuntimeConfig
 
@@ -20,11 +21,21 @@ CPU, CUDA, BF16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
 AVAILABLE = "hicache.kernels.flashinfer.available"
 
 
-def test_auto_is_torch_on_cpu():
-    assert resolve("auto", "auto", CPU, BF16, 128) == ("torch", "torch")
-    assert resolve("auto", "auto", CPU, torch.float32, 64) == ("torch", "torch")
+def test_auto_on_cpu_is_the_compiled_kernel_where_it_builds(monkeypatch):
+    from hicache.kernels import cpu
+
     assert resolve("torch", "auto", CUDA, BF16, 128) == ("torch", "torch")  # named: kept
+    assert resolve("auto", "auto", CPU, torch.float16, 64) == ("torch", "torch")  # no fp16 kernel
+    assert resolve("auto", "auto", CPU, torch.float32, 40) == ("torch", "torch")  # nor this head size
+    assert resolve("auto", "torch", CPU, torch.float32, 64)[1] == "torch"
+    if cpu.available():
+        assert resolve("auto", "auto", CPU, BF16, 128) == ("cpu", "cpu")
+        assert isinstance(make_attention("auto", "auto", CPU, torch.float32, 64), CpuAttention)
+    monkeypatch.setattr(cpu, "available", lambda: False)  # no compiler
+    assert resolve("auto", "auto", CPU, torch.float32, 64) == ("torch", "torch")
     assert isinstance(make_attention("auto", "auto", CPU, torch.float32, 64), TorchAttention)
+    with pytest.raises(ValueError, match="'cpu' needs a C\\+\\+ compiler"):
+        make_attention("cpu", "auto", CPU, torch.float32, 64)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the CUDA choices need triton")
@@ -41,7 +52,7 @@ def test_auto_on_cuda_prefills_on_flashinfer_where_it_serves_the_pool_and_decode
     assert resolve("auto", "torch", CUDA, BF16, 128) == ("flashinfer", "torch")
     assert resolve("flashinfer", "auto", CUDA, BF16, 128) == ("flashinfer", "flashinfer")
     assert resolve("triton", "flashinfer", CUDA, BF16, 128) == ("triton", "flashinfer")
-    assert resolve("auto", "auto", CPU, BF16, 128) == ("torch", "torch")  # flashinfer present, no CUDA
+    assert resolve("auto", "auto", CPU, torch.float16, 128) == ("torch", "torch")  # flashinfer present, no CUDA
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the CUDA choices need triton")
@@ -93,20 +104,21 @@ def test_prefill_and_decode_on_different_backends():
     assert isinstance(make_attention("torch", "auto", CPU, torch.float32, 64), TorchAttention)
 
 
-def test_engine_on_cpu_runs_the_torch_backend(tiny_config_path):
+def test_engine_on_cpu_runs_the_cpu_backend(tiny_config_path):
+    from hicache.kernels import cpu
     from hicache.runtime.engine import Engine
 
     with Engine(str(tiny_config_path), load_format="dummy", max_total_tokens=256, device="cpu",
                 disable_hierarchical_cache=True) as engine:
         attn = engine.scheduler.runner.attn
-        assert isinstance(attn, TorchAttention)  # resolved when built, before any pass
+        assert isinstance(attn, CpuAttention if cpu.available() else TorchAttention)  # resolved when built
         out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 2})
     assert len(out["output_ids"]) == 2
 
 
 def test_bad_names_are_refused():
-    assert NAMES == ("auto", "torch", "triton", "flashinfer")
-    with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, triton, flashinfer"):
+    assert NAMES == ("auto", "torch", "cpu", "triton", "flashinfer")
+    with pytest.raises(ValueError, match="^attention_backend must be one of auto, torch, cpu, triton, flashinfer"):
         RuntimeConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="^decode_attention_backend"):
         RuntimeConfig(decode_attention_backend="flash")

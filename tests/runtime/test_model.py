@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from golden import load_golden, logits_vs_golden
+from hicache.kernels import cpu as cpu_kernels
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models import LlamaForCausalLM, get_model_class
-from hicache.runtime.models.llama import RotaryEmbedding, rope_inv_freq
+from hicache.runtime.models.layers import RotaryEmbedding, rope_inv_freq
 
 LOGIT_TOL = 1e-3
 
@@ -88,6 +89,23 @@ def test_tiny_model_matches_hf(tiny_config_path, prompt_logits):
         ref = hf(torch.tensor([ids])).logits[0]
     assert (mine - ref).abs().max().item() < 1e-4
     assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the CPU kernels are not built")
+def test_cpu_kernels_match_hf_and_turn_off_cleanly(tiny_config_path, prompt_logits):
+    """The compiled CPU layer ops and prepacked linears (the server's CPU default) against HF; off
+    again, the weights are the loaded ones, bit for bit."""
+    hf, ours = _tiny_pair(tiny_config_path)
+    before = {n: p.clone() for n, p in ours.named_parameters()}
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert ours.use_cpu_kernels()
+    assert ours.layers[0].self_attn.packs and ours.layers[0].self_attn.qkv_proj.numel() == 0
+    mine = prompt_logits(ours, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (mine - ref).abs().max().item() < 1e-4
+    assert not ours.use_cpu_kernels(False)
+    assert all(torch.equal(p, before[n]) for n, p in ours.named_parameters())
 
 
 def _hf_rope(config_dict, positions, q, k):

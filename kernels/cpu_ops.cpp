@@ -1,0 +1,375 @@
+// CPU kernels of the decoder layer, compiled at first use by kernels/cpu.py (g++ -O3 -march=native
+// -fopenmp) and called through ctypes with raw pointers: no torch headers, so the build takes
+// seconds. Each entry point takes the thread count of torch's pool and runs its OpenMP team with
+// that many threads (the same libgomp as torch's: one pool, no oversubscription).
+//
+// Element types: 0 = float32, 1 = bfloat16 (math in float32, rounded to nearest even on store).
+// Numerics follow the torch code of runtime/models/llama.py: RMSNorm normalises in float32,
+// rounds to the dtype, then scales; RoPE computes in float32 and rounds once; SiLU rounds to the
+// dtype before the product.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+typedef int64_t i64;
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+template <typename T> inline float load(const T* p, i64 i);
+template <> inline float load<float>(const float* p, i64 i) { return p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, i64 i) { return bf16_to_float(p[i]); }
+
+template <typename T> inline void store(T* p, i64 i, float x);
+template <> inline void store<float>(float* p, i64 i, float x) { p[i] = x; }
+template <> inline void store<uint16_t>(uint16_t* p, i64 i, float x) { p[i] = float_to_bf16(x); }
+
+template <typename T> inline float round_to(float x);
+template <> inline float round_to<float>(float x) { return x; }
+template <> inline float round_to<uint16_t>(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+// 16 floats: GCC's vector extensions, lowered to AVX-512, AVX2 or SSE by -march=native.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 loadv(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
+inline void storev(float* p, v16 v) { std::memcpy(p, &v, 64); }
+inline float hmax(v16 v) { float m = v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, v[i]); return m; }
+inline float hsum(v16 v) { float s = 0.0f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
+
+// exp(x), relative error ~2e-7; 0 below -87, finite above 88 (the callers need no more).
+inline v16 exp_v(v16 x) {
+    x = x < -87.0f ? v16{} - 87.0f : x;
+    x = x > 88.0f ? v16{} + 88.0f : x;
+    const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16)bits;
+}
+
+constexpr int KB = 64;    // keys of one block
+constexpr int ROWS = 48;  // query rows (tokens x heads of one KV group) of one task, at most
+
+inline i64 block_tokens(i64 group) { return std::max<i64>(1, ROWS / group); }
+
+struct Paged {
+    const void* q; const void* k_new; const void* v_new; void* k_buf; void* v_buf;
+    const i64* table; i64 table_stride; const i64* rows; const i64* prefix_lens; const i64* extend_lens;
+    const i64* q_starts; const i64* out_loc; i64 n_reqs; i64 hq; i64 hkv; i64 d;
+    i64 k_new_stride; i64 v_new_stride; float scale; i64 window; void* out;
+};
+
+// Per-thread buffers of one task: its query rows (scaled), their accumulators and running max /
+// sum, one block of keys (transposed) and values, the block's scores.
+struct Scratch {
+    std::vector<float> q, acc, kt, vb, s, m, l;
+    std::vector<i64> pos;
+    Scratch(i64 rows, i64 d)
+        : q(rows * d), acc(rows * d), kt(d * KB), vb(KB * d), s(rows * KB), m(rows), l(rows), pos(rows) {}
+};
+
+// The scores of rows r (and r + 1 when TWO) against one block of KB keys: s = q . k.
+template <bool TWO>
+void block_scores(Scratch& sc, i64 d, i64 r) {
+    v16 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+    const float* qa = &sc.q[r * d];
+    const float* qb = TWO ? qa + d : qa;
+    for (i64 e = 0; e < d; ++e) {
+        const float* k = &sc.kt[e * KB];
+        const v16 k0 = loadv(k), k1 = loadv(k + 16), k2 = loadv(k + 32), k3 = loadv(k + 48);
+        const float x = qa[e];
+        a0 += x * k0; a1 += x * k1; a2 += x * k2; a3 += x * k3;
+        if (TWO) {
+            const float y = qb[e];
+            b0 += y * k0; b1 += y * k1; b2 += y * k2; b3 += y * k3;
+        }
+    }
+    float* s = &sc.s[r * KB];
+    storev(s, a0); storev(s + 16, a1); storev(s + 32, a2); storev(s + 48, a3);
+    if (TWO) { storev(s + KB, b0); storev(s + KB + 16, b1); storev(s + KB + 32, b2); storev(s + KB + 48, b3); }
+}
+
+// Row r's scores of the block starting at key j0 (nk keys) masked (causal, window) and turned into
+// probabilities under the row's running max; returns the factor its accumulator must be scaled by.
+float block_softmax(Scratch& sc, i64 r, i64 j0, i64 nk, i64 window) {
+    const i64 hi = sc.pos[r] - j0;  // keys jj <= hi are visible, and jj > hi - window
+    const i64 lo = window > 0 ? hi - window : -1;
+    float* s = &sc.s[r * KB];
+    v16i jv;
+    for (int i = 0; i < 16; ++i) jv[i] = i;
+    v16 mx = v16{} + sc.m[r];
+    v16i vis[4];
+    for (int c = 0; c < 4; ++c) {
+        const v16i j = jv + 16 * c;
+        vis[c] = (j <= int(std::min<i64>(hi, KB))) & (j > int(std::max<i64>(lo, -1))) & (j < int(nk));
+        const v16 x = vis[c] ? loadv(s + 16 * c) : v16{} - INFINITY;
+        mx = mx > x ? mx : x;
+    }
+    const float m = hmax(mx);
+    if (m == -INFINITY) {  // nothing visible yet
+        for (int c = 0; c < 4; ++c) storev(s + 16 * c, v16{});
+        return 1.0f;
+    }
+    v16 sum{};
+    for (int c = 0; c < 4; ++c) {
+        const v16 p = vis[c] ? exp_v(loadv(s + 16 * c) - m) : v16{};
+        storev(s + 16 * c, p);
+        sum += p;
+    }
+    const float corr = sc.m[r] == -INFINITY ? 0.0f : exp_v(v16{} + (sc.m[r] - m))[0];
+    sc.m[r] = m;
+    sc.l[r] = sc.l[r] * corr + hsum(sum);
+    return corr;
+}
+
+// acc[r] = acc[r] * corr + p . V over the block, for NV vectors of 16 values from column d0.
+template <int NV, bool TWO>
+void block_values(Scratch& sc, i64 d, i64 r, i64 d0, i64 nk, float ca, float cb) {
+    v16 a[NV], b[NV];
+    float* acc_a = &sc.acc[r * d + d0];
+    float* acc_b = TWO ? acc_a + d : acc_a;
+    for (int c = 0; c < NV; ++c) {
+        a[c] = loadv(acc_a + 16 * c) * ca;
+        if (TWO) b[c] = loadv(acc_b + 16 * c) * cb;
+    }
+    const float* pa = &sc.s[r * KB];
+    const float* pb = TWO ? pa + KB : pa;
+    for (i64 jj = 0; jj < nk; ++jj) {
+        const float* v = &sc.vb[jj * d + d0];
+        const float x = pa[jj], y = pb[jj];
+        for (int c = 0; c < NV; ++c) {
+            const v16 vc = loadv(v + 16 * c);
+            a[c] += x * vc;
+            if (TWO) b[c] += y * vc;
+        }
+    }
+    for (int c = 0; c < NV; ++c) {
+        storev(acc_a + 16 * c, a[c]);
+        if (TWO) storev(acc_b + 16 * c, b[c]);
+    }
+}
+
+template <bool TWO>
+void fold_rows(Scratch& sc, i64 d, i64 r, i64 j0, i64 nk, i64 window) {
+    block_scores<TWO>(sc, d, r);
+    const float ca = block_softmax(sc, r, j0, nk, window);
+    const float cb = TWO ? block_softmax(sc, r + 1, j0, nk, window) : 1.0f;
+    for (i64 d0 = 0; d0 < d; d0 += 64) {
+        switch (std::min<i64>(4, (d - d0) / 16)) {
+            case 4: block_values<4, TWO>(sc, d, r, d0, nk, ca, cb); break;
+            case 3: block_values<3, TWO>(sc, d, r, d0, nk, ca, cb); break;
+            case 2: block_values<2, TWO>(sc, d, r, d0, nk, ca, cb); break;
+            default: block_values<1, TWO>(sc, d, r, d0, nk, ca, cb); break;
+        }
+    }
+}
+
+// One task: request i, KV head h, new tokens [t0, t1) of the request, each with the G query heads
+// of that KV head: flash attention over the request's keys, read in place through its table row.
+template <typename T>
+void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
+    const i64 G = a.hq / a.hkv, D = a.d, R = (t1 - t0) * G;
+    const i64 prefix = a.prefix_lens[i], qs = a.q_starts[i];
+    const i64* slots = a.table + a.rows[i] * a.table_stride;
+    for (i64 r = 0; r < R; ++r) {
+        const i64 t = t0 + r / G, head = h * G + r % G;
+        const T* src = static_cast<const T*>(a.q) + ((qs + t) * a.hq + head) * D;
+        for (i64 e = 0; e < D; ++e) sc.q[r * D + e] = load<T>(src, e) * a.scale;
+        std::fill(&sc.acc[r * D], &sc.acc[r * D] + D, 0.0f);
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
+        sc.pos[r] = prefix + t;
+    }
+    const i64 last = prefix + t1 - 1;
+    const i64 first = a.window > 0 ? std::max<i64>(0, prefix + t0 - a.window + 1) : 0;
+    const i64 kv_row = a.hkv * D;
+    for (i64 j0 = first; j0 <= last; j0 += KB) {
+        const i64 nk = std::min<i64>(KB, last + 1 - j0);
+        for (i64 jj = 0; jj < nk; ++jj) {
+            const i64 base = slots[j0 + jj] * kv_row + h * D;
+            const T* kp = static_cast<const T*>(a.k_buf) + base;
+            const T* vp = static_cast<const T*>(a.v_buf) + base;
+            for (i64 e = 0; e < D; ++e) {
+                sc.kt[e * KB + jj] = load<T>(kp, e);
+                sc.vb[jj * D + e] = load<T>(vp, e);
+            }
+        }
+        for (i64 jj = nk; jj < KB; ++jj)
+            for (i64 e = 0; e < D; ++e) sc.kt[e * KB + jj] = 0.0f;
+        i64 r = 0;
+        for (; r + 1 < R; r += 2) fold_rows<true>(sc, D, r, j0, nk, a.window);
+        if (r < R) fold_rows<false>(sc, D, r, j0, nk, a.window);
+    }
+    for (i64 r = 0; r < R; ++r) {
+        const i64 t = t0 + r / G, head = h * G + r % G;
+        T* dst = static_cast<T*>(a.out) + ((qs + t) * a.hq + head) * D;
+        const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
+        for (i64 e = 0; e < D; ++e) store<T>(dst, e, sc.acc[r * D + e] * inv);
+    }
+}
+
+// Below this many multiply-adds a call runs on one thread: waking the team costs more.
+constexpr i64 SERIAL_WORK = 1 << 19;
+constexpr i64 SERIAL_ELEMENTS = 1 << 17;  // the same for the elementwise kernels
+
+template <typename T>
+void paged_attention(const Paged& a, int nthreads) {
+    const i64 G = a.hq / a.hkv, qb = block_tokens(G);
+    i64 total = 0, tasks = 0, work = 0;
+    for (i64 i = 0; i < a.n_reqs; ++i) {
+        const i64 n = a.extend_lens[i];
+        total += n;
+        tasks += (n + qb - 1) / qb * a.hkv;
+        work += n * (a.prefix_lens[i] + (n + 1) / 2) * a.hq * a.d * 2;
+    }
+    const i64 row = a.hkv * a.d;
+    #pragma omp parallel num_threads(work < SERIAL_WORK || tasks < 2 ? 1 : nthreads)
+    {
+        #pragma omp for
+        for (i64 t = 0; t < total; ++t) {  // the new tokens' K/V first: every task may read them
+            const i64 slot = a.out_loc[t];
+            for (i64 e = 0; e < row; ++e) {
+                static_cast<T*>(a.k_buf)[slot * row + e] = static_cast<const T*>(a.k_new)[t * a.k_new_stride + e];
+                static_cast<T*>(a.v_buf)[slot * row + e] = static_cast<const T*>(a.v_new)[t * a.v_new_stride + e];
+            }
+        }
+        Scratch sc(qb * G, a.d);
+        #pragma omp for schedule(dynamic, 1)
+        for (i64 task = 0; task < tasks; ++task) {
+            i64 rest = task, i = 0;
+            for (;; ++i) {
+                const i64 n = (a.extend_lens[i] + qb - 1) / qb * a.hkv;
+                if (rest < n) break;
+                rest -= n;
+            }
+            const i64 h = rest % a.hkv, t0 = rest / a.hkv * qb;
+            attend_block<T>(a, sc, i, h, t0, std::min<i64>(t0 + qb, a.extend_lens[i]));
+        }
+    }
+}
+
+template <typename T>
+void add_rmsnorm(const void* x, const void* delta, const void* w, void* sum_out, void* out, i64 n_rows,
+                 i64 h, float eps, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (n_rows * h > SERIAL_ELEMENTS)
+    for (i64 r = 0; r < n_rows; ++r) {
+        const T* xr = static_cast<const T*>(x) + r * h;
+        const T* dr = delta ? static_cast<const T*>(delta) + r * h : nullptr;
+        T* sr = sum_out ? static_cast<T*>(sum_out) + r * h : nullptr;
+        T* o = static_cast<T*>(out) + r * h;
+        float ss = 0.0f;
+        for (i64 e = 0; e < h; ++e) {
+            float v = load<T>(xr, e);
+            if (dr) {
+                v = round_to<T>(v + load<T>(dr, e));
+                store<T>(sr, e, v);
+            }
+            ss += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(ss / float(h) + eps);
+        for (i64 e = 0; e < h; ++e) {
+            const float v = dr ? load<T>(sr, e) : load<T>(xr, e);
+            store<T>(o, e, load<T>(static_cast<const T*>(w), e) * round_to<T>(v * inv));
+        }
+    }
+}
+
+template <typename T>
+void rotate(const T* src, T* dst, const float* cs, i64 half) {
+    for (i64 e = 0; e < half; ++e) {
+        const float x1 = load<T>(src, e), x2 = load<T>(src, e + half);
+        store<T>(dst, e, x1 * cs[e] - x2 * cs[half + e]);
+        store<T>(dst, e + half, x2 * cs[e] + x1 * cs[half + e]);
+    }
+}
+
+template <typename T>
+void rope(const i64* positions, const void* q, const void* k, void* q_out, void* k_out, const float* cos_sin,
+          i64 n_tokens, i64 hq, i64 hk, i64 d, i64 q_stride, i64 k_stride, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (n_tokens * (hq + hk) * d > SERIAL_ELEMENTS)
+    for (i64 t = 0; t < n_tokens; ++t) {
+        const float* cs = cos_sin + positions[t] * d;
+        for (i64 hh = 0; hh < hq; ++hh)
+            rotate<T>(static_cast<const T*>(q) + t * q_stride + hh * d, static_cast<T*>(q_out) + (t * hq + hh) * d,
+                      cs, d / 2);
+        for (i64 hh = 0; hh < hk; ++hh)
+            rotate<T>(static_cast<const T*>(k) + t * k_stride + hh * d, static_cast<T*>(k_out) + (t * hk + hh) * d,
+                      cs, d / 2);
+    }
+}
+
+template <typename T>
+void silu_mul(const void* x, void* out, i64 n_rows, i64 n, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (n_rows * n > SERIAL_ELEMENTS)
+    for (i64 r = 0; r < n_rows; ++r) {
+        const T* g = static_cast<const T*>(x) + r * 2 * n;
+        T* o = static_cast<T*>(out) + r * n;
+        i64 e = 0;
+        for (; e + 16 <= n; e += 16) {
+            v16 v, u;
+            for (int i = 0; i < 16; ++i) { v[i] = load<T>(g, e + i); u[i] = load<T>(g, n + e + i); }
+            const v16 act = v / (1.0f + exp_v(-v));
+            for (int i = 0; i < 16; ++i) store<T>(o, e + i, round_to<T>(act[i]) * u[i]);
+        }
+        for (; e < n; ++e) {
+            const float v = load<T>(g, e);
+            store<T>(o, e, round_to<T>(v / (1.0f + std::exp(-v))) * load<T>(g, n + e));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+void hc_paged_attention(int dtype, const void* q, const void* k_new, const void* v_new, void* k_buf, void* v_buf,
+                        const i64* table, i64 table_stride, const i64* rows, const i64* prefix_lens,
+                        const i64* extend_lens, const i64* q_starts, const i64* out_loc, i64 n_reqs, i64 hq,
+                        i64 hkv, i64 d, i64 k_new_stride, i64 v_new_stride, float scale, i64 window, void* out,
+                        int nthreads) {
+    const Paged a{q, k_new, v_new, k_buf, v_buf, table, table_stride, rows, prefix_lens, extend_lens, q_starts,
+                  out_loc, n_reqs, hq, hkv, d, k_new_stride, v_new_stride, scale, window, out};
+    if (dtype == 0) paged_attention<float>(a, nthreads);
+    else paged_attention<uint16_t>(a, nthreads);
+}
+
+void hc_add_rmsnorm(int dtype, const void* x, const void* delta, const void* w, void* sum_out, void* out,
+                    i64 n_rows, i64 h, float eps, int nthreads) {
+    if (dtype == 0) add_rmsnorm<float>(x, delta, w, sum_out, out, n_rows, h, eps, nthreads);
+    else add_rmsnorm<uint16_t>(x, delta, w, sum_out, out, n_rows, h, eps, nthreads);
+}
+
+void hc_rope(int dtype, const i64* positions, const void* q, const void* k, void* q_out, void* k_out,
+             const float* cos_sin, i64 n_tokens, i64 hq, i64 hk, i64 d, i64 q_stride, i64 k_stride, int nthreads) {
+    if (dtype == 0) rope<float>(positions, q, k, q_out, k_out, cos_sin, n_tokens, hq, hk, d, q_stride, k_stride, nthreads);
+    else rope<uint16_t>(positions, q, k, q_out, k_out, cos_sin, n_tokens, hq, hk, d, q_stride, k_stride, nthreads);
+}
+
+void hc_silu_mul(int dtype, const void* x, void* out, i64 n_rows, i64 n, int nthreads) {
+    if (dtype == 0) silu_mul<float>(x, out, n_rows, n, nthreads);
+    else silu_mul<uint16_t>(x, out, n_rows, n, nthreads);
+}
+
+}  // extern "C"

@@ -1,0 +1,32 @@
+"""The "cpu" attention backend: the compiled CPU kernel that reads the paged pool in place
+(`hicache.kernels.cpu.paged_attention`), for decode and extend, requests of any lengths in one
+ragged batch."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.kernels import cpu
+
+if TYPE_CHECKING:
+    from hicache.runtime.batch import ForwardBatch
+
+
+class CpuAttention:
+    """Stores the new tokens' K/V and attends over each request's slots in the request-to-token
+    table (`batch.req_to_token`, `req_rows`, `prefix_lens`, `extend_lens_dev`, `q_starts`)."""
+
+    graphs = False  # CPU: no CUDA graphs
+
+    def __init__(self, head_dim: int, scale: float | None = None, windows: tuple = ()):
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.windows = windows  # per layer: sliding window or None; () for none
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        batch.wait_layer(layer_id)  # this layer's load-back from L2 (other slots than the new tokens')
+        window = self.windows[layer_id] if self.windows else None
+        return cpu.paged_attention(q, k, v, batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id),
+                                   batch.out_cache_loc, batch.req_to_token, batch.req_rows, batch.prefix_lens,
+                                   batch.extend_lens_dev, batch.q_starts, self.scale, window)

@@ -1,0 +1,86 @@
+"""The CPU kernels (kernels/cpu.py) against the torch reference attention and the model's torch
+layer ops, on fresh random inputs; and the clean fallback where no compiler exists."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from paged_inputs import extend_case, fresh_gen, rel_err
+
+from hicache.kernels import attention as ref
+from hicache.kernels import cpu
+from hicache.runtime.models.layers import _rotate, rms_norm
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: the CPU kernels are not built")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 40)])
+def test_paged_attention_matches_reference(dtype, window):
+    """Extend over cached prefixes and decode (one new token) in one ragged batch; the kernel
+    stores the new tokens' K/V itself, then reads the pool in place."""
+    gen = fresh_gen()
+    prefixes, extends = [0, 37, 300, 5, 130], [70, 1, 20, 1, 1]
+    c = extend_case(prefixes, extends, 16, 9, 3, 64, dtype, gen)
+    c = type(c)(*(t.cpu() if isinstance(t, torch.Tensor) else [s.cpu() for s in t] for t in c))
+    loc = torch.cat([s[p:] for s, p in zip(c.slots, prefixes)])
+    k_new, v_new = c.k_buf[loc].clone(), c.v_buf[loc].clone()
+    want = ref.extend_attention(c.q.float(), c.k_buf.float(), c.v_buf.float(), c.slots, extends, 0.125, window)
+    c.k_buf[loc], c.v_buf[loc] = 0, 0
+    qkv = torch.cat([k_new, v_new], dim=1)  # strided views, as the model's split of its qkv projection
+    out = cpu.paged_attention(c.q, qkv[:, :3], qkv[:, 3:], c.k_buf, c.v_buf, loc, c.table, c.rows, c.prefix_lens,
+                              c.extend_lens, c.starts, 0.125, window)
+    assert torch.equal(c.k_buf[loc], k_new) and torch.equal(c.v_buf[loc], v_new)
+    for s, e in zip(c.starts.tolist(), extends):
+        assert rel_err(out[s:s + e], want[s:s + e]) < TOL[dtype], (s, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_torch(dtype):
+    gen = fresh_gen()
+    x, delta = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    w = torch.rand(96, generator=gen).to(dtype) + 0.5
+    torch.testing.assert_close(cpu.rmsnorm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    total, normed = cpu.add_rmsnorm(x, delta, w, 1e-5)
+    torch.testing.assert_close(total, x + delta)
+    torch.testing.assert_close(normed, rms_norm(x + delta, w, 1e-5))
+    qkv = torch.randn(5, 7 * 32, generator=gen).to(dtype)
+    q, k = qkv[:, :128].view(5, 4, 32), qkv[:, 128:192].view(5, 2, 32)  # strided rows
+    positions = torch.randint(0, 50, (5,), generator=gen)
+    cos_sin = torch.cat([torch.rand(50, 16, generator=gen), torch.rand(50, 16, generator=gen)], dim=1)
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    q_out, k_out = cpu.rope(positions, q, k, cos_sin)
+    torch.testing.assert_close(q_out, _rotate(q, cos, sin))
+    torch.testing.assert_close(k_out, _rotate(k, cos, sin))
+    gate_up = torch.randn(5, 64, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate) * up)
+    weight = torch.randn(48, 96, generator=gen).to(dtype)
+    packed = cpu.pack_linear(weight)
+    if packed is not None:
+        torch.testing.assert_close(cpu.linear(x, packed), F.linear(x, weight))
+
+
+def test_launchers_reject_bad_inputs():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="weight"):
+        cpu.rmsnorm(x, torch.zeros(4), 1e-5)
+    with pytest.raises(ValueError, match="x must be float32 or bfloat16"):
+        cpu.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="not a multiple"):
+        cpu.paged_attention(torch.zeros(1, 3, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.zeros(4, 2, 16),
+                            torch.zeros(4, 2, 16), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64),
+                            *(torch.zeros(1, dtype=torch.int64) for _ in range(4)), 1.0)
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    cpu.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+            assert cpu.library() is None and cpu.library() is None and not cpu.available()
+        assert len([r for r in caplog.records if "no C++ compiler" in r.message]) == 1
+    finally:
+        cpu.library.cache_clear()
