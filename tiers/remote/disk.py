@@ -9,11 +9,24 @@ blocks first (`posix_fallocate`, which fails with ENOSPC instead). `data.mdb` is
 (`writemap=False`, py-lmdb's default, which `lmdb_env.py` passes explicitly): LMDB writes it with
 `pwrite`, which returns ENOSPC or EIO on a full disk. With `writemap=True` LMDB would ftruncate it to
 the whole map size, sparse, and write through the map: the same SIGBUS as soon as the disk fills.
+
+Reads of `data.mdb` through the map can still SIGBUS: a page past the end of a file that another
+process truncated, or a page the disk fails to read (EIO). `DataFile` narrows both. Values (the
+bulk of the file, pages of KV) are copied out with `pread` at the offset LMDB's buffer points to,
+never touched through the map: a failing read is an OSError, a short one a truncated file. Only the
+small B-tree pages are read through the map; before each operation `DataFile.check` compares the
+file's size with the largest seen (LMDB never shrinks it), so a truncation is found before the
+map is touched again (one that lands between the check and a B-tree read can still SIGBUS). Not
+touching values through the map also keeps them out of the process's resident set: they stay in
+the kernel's page cache, which it reclaims under pressure.
 """
 from __future__ import annotations
 
 import errno
 import os
+import threading
+
+import numpy as np
 
 MIB = 1 << 20
 # LMDB 0.9 sizes its lock file (max_readers - 1) * sizeof(MDB_reader) + sizeof(MDB_txninfo): 64 and
@@ -60,3 +73,69 @@ def allocate_lock_file(lock: str, size: int) -> None:
             raise OSError(e.errno, f"cannot allocate LMDB's lock file: {e.strerror}", lock) from None
     finally:
         os.close(fd)
+
+
+class Truncated(OSError):
+    """`data.mdb` is shorter than LMDB's pages need: truncated under the store."""
+
+
+class DataFile:
+    """`data.mdb` of an open LMDB environment, read with `pread` (see the module docstring)."""
+
+    def __init__(self, path: str, pages_bytes: int):
+        """`pages_bytes`: what LMDB's pages take, (last page number + 1) x page size. Truncated if
+        the file is shorter: opening checks the meta pages only, the first read of a page past the
+        end would SIGBUS."""
+        self.path = os.path.join(path, "data.mdb")
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+        if self.size < pages_bytes:
+            os.close(self.fd)
+            raise Truncated(errno.EIO, f"{self.size} bytes, its pages need {pages_bytes}: truncated",
+                            self.path)
+        self.base = map_start(self.fd)
+        self._local = threading.local()  # a reused buffer per reading thread: no fresh pages per value
+
+    def check(self) -> None:
+        """Truncated if the file shrank since the last check (LMDB only ever grows it)."""
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise Truncated(errno.EIO, f"shrank from {self.size} to {size} bytes: truncated under the store",
+                            self.path)
+        self.size = size
+
+    def read(self, value) -> memoryview:
+        """The bytes of `value`, a buffer LMDB returned (it points into the map), read from the file at
+        the same offset into this thread's buffer: valid until the thread's next read. `value`
+        itself where the map was not found. Truncated on a short read."""
+        n = len(value)
+        if self.base is None or not n:
+            return memoryview(value)
+        offset = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0] - self.base
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(n)
+        view = memoryview(buf)[:n]
+        got = os.preadv(self.fd, [view], offset)
+        if got != n:
+            raise Truncated(errno.EIO, f"read {got} of {n} bytes at {offset}: truncated", self.path)
+        return view
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def map_start(fd: int) -> int | None:
+    """The address at which this process maps offset 0 of the file open as `fd` (None: not mapped,
+    or no /proc)."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[3] == device and int(fields[4]) == st.st_ino:
+                    return int(fields[0].split("-")[0], 16) - int(fields[2], 16)
+    except OSError:
+        return None
+    return None

@@ -1,10 +1,13 @@
 """One LMDB environment of this process (`LmdbEnv`): its sub-databases, its writer thread, LRU
 eviction down to `LOW_WATERMARK` of the cap, and the full-disk handling that `lmdb.py`'s module
 docstring describes. `open_env` / `close_env` share one environment among the backends of a
-process that name the same path."""
+process that name the same path. Values are read from `data.mdb` with `pread` and every operation
+first checks that the file has not shrunk (`disk.DataFile`); a store truncated under it is `broken`
+until the process restarts."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import queue
@@ -14,7 +17,7 @@ import time
 
 import lmdb
 
-from hicache.tiers.remote.disk import MIB, free_bytes, prepare
+from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
@@ -34,9 +37,15 @@ class LmdbEnv:
         prepare(path, MAX_READERS, min_free)  # before anything is mapped: no SIGBUS on a full disk
         self.path, self.size_cap, self.min_free, self.refs = path, size_cap, min_free, 0
         self.full: str | None = None  # why writes are blocked (a disk that eviction could not help)
+        self.broken: str | None = None  # why the store is unusable (data.mdb truncated under it)
         self._full_need = 0  # bytes of the write that failed
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=True, sync=sync, metasync=sync,
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, sync=sync, metasync=sync,
                              max_readers=MAX_READERS, writemap=False)
+        try:  # open read the meta pages with pread: the map holds them, stat and info are safe
+            self.data = DataFile(path, (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
+        except OSError:
+            self.env.close()
+            raise
         try:
             self.pages = self.env.open_db(b"pages")
             self.atime = self.env.open_db(b"atime")
@@ -44,6 +53,7 @@ class LmdbEnv:
             self.meta = self.env.open_db(b"meta")
         except lmdb.Error:
             self.env.close()
+            self.data.close()
             raise
         self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0,
                          "write_failures": 0, "disk_short": 0}
@@ -65,6 +75,7 @@ class LmdbEnv:
                 return
             fn, args, fut = job
             try:
+                self.check()
                 fut.set_result(fn(*args))
             except Exception as e:  # reaches the caller through the future
                 fut.set_exception(e)
@@ -73,6 +84,33 @@ class LmdbEnv:
         self._jobs.put(None)
         self._thread.join(timeout=30)
         self.env.close()
+        self.data.close()
+
+    # ---- reads (any thread) -------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Truncated, once `data.mdb` has shrunk (then for good): nothing may read the map."""
+        if self.broken is None:
+            try:
+                self.data.check()
+            except Truncated as e:
+                self._break(e)
+        if self.broken is not None:
+            raise Truncated(errno.EIO, self.broken)
+
+    def read(self, value) -> memoryview:
+        """The bytes of `value`, a buffer from a read transaction still open, read from the file
+        (`DataFile.read`). OSError from a failing disk; Truncated (and `broken`) for a short read."""
+        try:
+            return self.data.read(value)
+        except Truncated as e:
+            self._break(e)
+            raise
+
+    def _break(self, error: Truncated) -> None:
+        if self.broken is None:
+            self.broken = f"{error.filename}: {error.strerror}"
+            logger.error("L3 lmdb: %s; the store is not read again until restart (move or delete it)", self.broken)
 
     # ---- jobs (writer thread only) ------------------------------------------------------------
 
@@ -143,9 +181,9 @@ class LmdbEnv:
     def _put(self, txn, items) -> tuple[int, int]:
         now, written, nbytes = time.time_ns(), 0, 0
         total = _read_u64(txn.get(_BYTES, db=self.meta))
-        for key, value in items:
-            if txn.get(key, db=self.pages) is not None:
-                continue
+        with txn.cursor(db=self.pages) as present:  # set_key finds a key without copying its value
+            absent = {key: value for key, value in items if not present.set_key(key)}
+        for key, value in absent.items():
             txn.put(key, value, db=self.pages)
             txn.put(key, _ATIME.pack(now, len(value)), db=self.atime)
             txn.put(_U64.pack(now) + key, b"", db=self.lru)
@@ -227,6 +265,7 @@ class LmdbEnv:
         self.delete(keys)
 
     def used_bytes(self) -> int:
+        self.check()
         with self.env.begin(db=self.meta) as txn:
             return _read_u64(txn.get(_BYTES))
 
