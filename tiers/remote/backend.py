@@ -123,18 +123,13 @@ class BackendBase:
             self.delete(corrupt + stale)
         return ok
 
-    def load(self, value):
-        """The bytes of `value` as the store's read returned it (default: itself); called on the
-        framing pool, just before it is decoded."""
-        return value
-
     def _decode(self, key: str, value, page: torch.Tensor) -> CorruptValue | bool | None:
         """None when `value` filled `page`; False when absent; the CorruptValue (or StaleValue)
         that rejected it otherwise."""
         if value is None:
             return False
         try:
-            decode_into(self.load(value), page, self.storage_key(key), self._secret)
+            decode_into(value, page, self.storage_key(key), self._secret)
         except CorruptValue as e:
             return e
         return None

@@ -11,20 +11,23 @@ blocks first (`posix_fallocate`, which fails with ENOSPC instead). `data.mdb` is
 the whole map size, sparse, and write through the map: the same SIGBUS as soon as the disk fills.
 
 Reads of `data.mdb` through the map can still SIGBUS: a page past the end of a file that another
-process truncated, or a page the disk fails to read (EIO). `DataFile` narrows both. Values (the
-bulk of the file, pages of KV) are copied out with `pread` at the offset LMDB's buffer points to,
-never touched through the map: a failing read is an OSError, a short one a truncated file. Only the
-small B-tree pages are read through the map; before each operation `DataFile.check` compares the
-file's size with the largest seen (LMDB never shrinks it), so a truncation is found before the
-map is touched again (one that lands between the check and a B-tree read can still SIGBUS). Not
-touching values through the map also keeps them out of the process's resident set: they stay in
-the kernel's page cache, which it reclaims under pressure.
+process truncated, or a page the disk fails to read (EIO). `DataFile.check` compares the file's
+size with the largest seen (LMDB never shrinks it) before each operation, so a truncation is found
+before the map is read again (one that lands between the check and a read can still SIGBUS). A
+disk that fails to read a page still SIGBUSes: py-lmdb touches every page of a value when it looks
+it up, so no read path through py-lmdb avoids the map.
+
+Pages of the map that were read count in the process's resident set (file-backed, shared with the
+page cache) until the kernel reclaims them. `release` drops a value's pages from it right after
+the value was copied out: they stay in the page cache, which the kernel reclaims under pressure,
+and the resident set holds only the B-trees' pages (bounded by the store's size).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
-import threading
 
 import numpy as np
 
@@ -80,7 +83,7 @@ class Truncated(OSError):
 
 
 class DataFile:
-    """`data.mdb` of an open LMDB environment, read with `pread` (see the module docstring)."""
+    """The size of `data.mdb` under an open LMDB environment, watched (see the module docstring)."""
 
     def __init__(self, path: str, pages_bytes: int):
         """`pages_bytes`: what LMDB's pages take, (last page number + 1) x page size. Truncated if
@@ -91,10 +94,7 @@ class DataFile:
         self.size = os.fstat(self.fd).st_size
         if self.size < pages_bytes:
             os.close(self.fd)
-            raise Truncated(errno.EIO, f"{self.size} bytes, its pages need {pages_bytes}: truncated",
-                            self.path)
-        self.base = map_start(self.fd)
-        self._local = threading.local()  # a reused buffer per reading thread: no fresh pages per value
+            raise Truncated(errno.EIO, f"{self.size} bytes, its pages need {pages_bytes}: truncated", self.path)
 
     def check(self) -> None:
         """Truncated if the file shrank since the last check (LMDB only ever grows it)."""
@@ -104,38 +104,30 @@ class DataFile:
                             self.path)
         self.size = size
 
-    def read(self, value) -> memoryview:
-        """The bytes of `value`, a buffer LMDB returned (it points into the map), read from the file at
-        the same offset into this thread's buffer: valid until the thread's next read. `value`
-        itself where the map was not found. Truncated on a short read."""
-        n = len(value)
-        if self.base is None or not n:
-            return memoryview(value)
-        offset = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0] - self.base
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = bytearray(n)
-        view = memoryview(buf)[:n]
-        got = os.preadv(self.fd, [view], offset)
-        if got != n:
-            raise Truncated(errno.EIO, f"read {got} of {n} bytes at {offset}: truncated", self.path)
-        return view
-
     def close(self) -> None:
         os.close(self.fd)
 
 
-def map_start(fd: int) -> int | None:
-    """The address at which this process maps offset 0 of the file open as `fd` (None: not mapped,
-    or no /proc)."""
-    st = os.fstat(fd)
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[3] == device and int(fields[4]) == st.st_ino:
-                    return int(fields[0].split("-")[0], 16) - int(fields[2], 16)
-    except OSError:
-        return None
-    return None
+def release(values: list) -> None:
+    """Drops the map's pages under `values` (buffers LMDB returned; None: skipped) from this
+    process's resident set (`MADV_DONTNEED`; their data stays in the file and the page cache). A
+    large value owns whole pages (LMDB's overflow pages), so the pages around it are its own."""
+    for value in values:
+        if value is not None and len(value) >= _PAGE:
+            address = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0]
+            start, end = address - address % _PAGE, -(-(address + len(value)) // _PAGE) * _PAGE
+            _madvise(start, end - start, _DONTNEED)
+
+
+def _libc_madvise():
+    """libc's madvise (a no-op where the C library has none)."""
+    fn = getattr(ctypes.CDLL(None), "madvise", None)
+    if fn is None:
+        return lambda *_args: 0
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_PAGE = mmap.PAGESIZE
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_madvise = _libc_madvise()

@@ -20,9 +20,9 @@ and writes are blocked: the backend is degraded ("writes fail at <path>: ..."), 
 worker's probe unblocks writes once the disk has room for the failed write plus `min_free_mb` and
 a small write works.
 
-Values are read with `pread`, not through the map, and a store whose `data.mdb` was truncated
-under it is degraded ("... truncated ...") until the server restarts, its map never read again
-(`disk.py` says what can still SIGBUS).
+A store whose `data.mdb` was truncated under it is degraded ("... truncated ...") until the server
+restarts, its map never read again; values read leave the process's resident set once decoded
+(`disk.py` says how, and what can still SIGBUS).
 
 Two engines of one process on the same path share the environment (LMDB allows one per process);
 several processes share it through LMDB's own locking.
@@ -121,24 +121,21 @@ class LmdbBackend(BackendBase):
 
     def batch_exists(self, keys: list[str]) -> int:
         e = self._ready()
-        with e.env.begin(db=e.pages, buffers=True) as txn:
+        with e.env.begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                if txn.get(self.storage_key(key)) is None:
+                if not e.exists(txn, self.storage_key(key)):
                     return i
         return len(keys)
 
     def batch_get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         e = self._ready()
         raw = [self.storage_key(k) for k in keys]
-        with e.env.begin(db=e.pages, buffers=True) as txn:  # buffers point into the map: read them inside
-            ok = self.fill(keys, [txn.get(k) for k in raw], pages)
+        with e.env.begin(buffers=True) as txn:  # buffers point into the map: decode inside
+            ok = e.read(txn, raw, lambda values: self.fill(keys, values, pages))
         hits = [k for k, good in zip(raw, ok) if good]
         if hits and e.full is None:  # access times are writes too
             e.submit(e.touch, hits)
         return ok
-
-    def load(self, value) -> memoryview:
-        return self._env.read(value)
 
     def batch_set(self, keys: list[str], pages: list[torch.Tensor]) -> int:
         e = self._ready()

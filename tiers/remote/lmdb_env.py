@@ -1,9 +1,9 @@
 """One LMDB environment of this process (`LmdbEnv`): its sub-databases, its writer thread, LRU
 eviction down to `LOW_WATERMARK` of the cap, and the full-disk handling that `lmdb.py`'s module
 docstring describes. `open_env` / `close_env` share one environment among the backends of a
-process that name the same path. Values are read from `data.mdb` with `pread` and every operation
-first checks that the file has not shrunk (`disk.DataFile`); a store truncated under it is `broken`
-until the process restarts."""
+process that name the same path. Every operation first checks that `data.mdb` has not shrunk
+(`disk.DataFile`); a store truncated under it is `broken` until the process restarts. Presence is
+looked up in `atime`, never in `pages`: py-lmdb reads a whole value to look it up."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -17,7 +17,7 @@ import time
 
 import lmdb
 
-from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare
+from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare, release
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
@@ -98,14 +98,18 @@ class LmdbEnv:
         if self.broken is not None:
             raise Truncated(errno.EIO, self.broken)
 
-    def read(self, value) -> memoryview:
-        """The bytes of `value`, a buffer from a read transaction still open, read from the file
-        (`DataFile.read`). OSError from a failing disk; Truncated (and `broken`) for a short read."""
+    def exists(self, txn, key: bytes) -> bool:
+        """Whether `key` holds a value, from `atime` (a value's pages are not read)."""
+        return txn.get(key, db=self.atime) is not None
+
+    def read(self, txn, keys: list[bytes], decode) -> list[bool]:
+        """`decode(values)` on the values of `keys` in a read transaction (buffers into the map; None:
+        absent), whose pages then leave the resident set (`disk.release`)."""
+        values = [txn.get(k, db=self.pages) for k in keys]
         try:
-            return self.data.read(value)
-        except Truncated as e:
-            self._break(e)
-            raise
+            return decode(values)
+        finally:
+            release(values)
 
     def _break(self, error: Truncated) -> None:
         if self.broken is None:
@@ -181,9 +185,9 @@ class LmdbEnv:
     def _put(self, txn, items) -> tuple[int, int]:
         now, written, nbytes = time.time_ns(), 0, 0
         total = _read_u64(txn.get(_BYTES, db=self.meta))
-        with txn.cursor(db=self.pages) as present:  # set_key finds a key without copying its value
-            absent = {key: value for key, value in items if not present.set_key(key)}
-        for key, value in absent.items():
+        for key, value in items:
+            if self.exists(txn, key):
+                continue
             txn.put(key, value, db=self.pages)
             txn.put(key, _ATIME.pack(now, len(value)), db=self.atime)
             txn.put(_U64.pack(now) + key, b"", db=self.lru)
