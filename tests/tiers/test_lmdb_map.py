@@ -1,6 +1,8 @@
 """The LMDB tier and its memory map: a `data.mdb` truncated under the store (which makes plain LMDB
-die of SIGBUS on its next read) degrades the backend instead, at once or at the next open; values
-read or checked for presence do not stay in the process's resident set."""
+die of SIGBUS on its next read) degrades the backend instead, at once or at the next open; so does
+a sparse `data.mdb` on a full tmpfs (mounted for the test; skipped where mounting is not permitted),
+until there is room for its blocks; values read or checked for presence do not stay in the
+process's resident set."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,9 @@ import pytest
 import torch
 
 from hicache.pagekey import namespace_seed, page_keys
-from hicache.tiers.remote import make_backend
+from hicache.tiers.remote import disk, lmdb_env, make_backend
+from hicache.tiers.remote import lmdb as lmdb_tier
+from test_storage_failsafe import mount_tmpfs
 
 NS = "00112233445566aa"
 SHAPE = (2, 4, 16, 2, 64)  # 64 KiB pages: LMDB keeps them in overflow pages of their own
@@ -101,4 +105,45 @@ def test_values_read_and_checked_leave_the_resident_set(tmp_path):
     values_kib = 64 * pages[0].numel() * 4 // 1024
     assert os.path.getsize(data) // 1024 >= values_kib
     assert mapped_kib(data) < values_kib // 8, "the values' pages stayed mapped"
+    b.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    fs = mount_tmpfs(tmp_path / "fs", 8)
+    try:
+        yield fs
+    finally:
+        subprocess.run(["umount", "-l", str(fs.root)], check=False)
+
+
+def test_a_sparse_data_file_on_a_full_disk_is_degraded_where_plain_lmdb_dies_of_sigbus(tmp_path, small_fs,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(lmdb_tier, "REOPEN_INTERVAL_S", 0.0)
+    made = make_backend("lmdb", NS, path=str(tmp_path / "made"), size_cap_gb=1, min_free_mb=0)
+    k = page_keys(namespace_seed("sparse"), list(range(64)), 4)
+    made.batch_set(k, [torch.zeros(SHAPE) for _ in k])  # values of zeros: whole blocks of them
+    made.close()
+    store = small_fs.root / "l3"
+    store.mkdir()
+    subprocess.run(["cp", "--sparse=always", str(tmp_path / "made" / "data.mdb"), str(store)], check=True)
+    data = os.stat(store / "data.mdb")
+    assert data.st_blocks * 512 < data.st_size // 2, "the copy should have holes"
+    disk.allocate(str(store / "lock.mdb"), disk.lock_file_bytes(lmdb_env.MAX_READERS))  # only data.mdb is sparse
+    small_fs.fill()
+    plain = run_python(f"""
+        import lmdb
+        env = lmdb.open({str(store)!r}, max_dbs=4, max_readers={lmdb_env.MAX_READERS})
+        with env.begin(db=env.open_db(b"pages")) as txn:
+            print(sum(len(v) for _, v in txn.cursor()))
+    """)
+    assert plain.returncode == -signal.SIGBUS, "the hazard: a hole read through the map on a full tmpfs"
+    b = make_backend("lmdb", NS, path=str(store), min_free_mb=0)
+    assert b.status().startswith(f"degraded: cannot open {store}: OSError: [Errno 28] cannot allocate the blocks "
+                                 "of data.mdb"), b.status()
+    small_fs.unfill()
+    b.probe()
+    assert b.status() == "ok"
+    out = [torch.ones(SHAPE) for _ in k]
+    assert b.batch_get(k, out) == [True] * len(k) and all(not o.any() for o in out)
     b.close()

@@ -48,32 +48,40 @@ def lock_file_bytes(max_readers: int) -> int:
 
 
 def prepare(path: str, max_readers: int, min_free: int) -> None:
-    """Before `lmdb.open(path)`: a new store (no `data.mdb` yet) needs `min_free` bytes free, and
-    the lock file gets real blocks. OSError (ENOSPC) otherwise; the caller degrades and retries."""
-    if not os.path.exists(os.path.join(path, "data.mdb")):
+    """Before `lmdb.open(path)`: a new store (no `data.mdb` yet) needs `min_free` bytes free; the
+    lock file gets real blocks, and so does an existing `data.mdb` (a copy made sparse, or a file a
+    `writemap` process sized, has holes: on tmpfs, reading a hole through the map on a full disk is
+    a SIGBUS too). OSError (ENOSPC) otherwise; the caller degrades and retries."""
+    data = os.path.join(path, "data.mdb")
+    if not os.path.exists(data):
         free = free_bytes(path)
         if free < min_free:
             raise OSError(errno.ENOSPC, f"{free / MIB:.1f} MiB free, a new store needs {min_free / MIB:.1f} MiB "
                           "(min_free_mb)", path)
-    allocate_lock_file(os.path.join(path, "lock.mdb"), lock_file_bytes(max_readers))
+    allocate(os.path.join(path, "lock.mdb"), lock_file_bytes(max_readers))
+    if os.path.exists(data):
+        allocate(data, 0)
 
 
-def allocate_lock_file(lock: str, size: int) -> None:
-    """Allocates every block of `lock`: a new (empty) file to `size`, as LMDB would size it; an existing
-    one to its own size, never more (a process that has it mapped reads its reader count from it and
-    must not see slots past its map). Filesystems without fallocate are left to LMDB as before."""
+def allocate(file: str, size: int) -> None:
+    """Allocates every block of `file`: a new (empty) file to `size`, as LMDB would size it; an existing
+    one to its own size, never more (a process that has the lock file mapped reads its reader count
+    from it and must not see slots past its map). Filesystems without fallocate are left as they are."""
     fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
     if fallocate is None:
         return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        current = os.fstat(fd).st_size
+        length = os.fstat(fd).st_size or size
+        if not length:
+            return
         try:
-            fallocate(fd, 0, current or size)
+            fallocate(fd, 0, length)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 return
-            raise OSError(e.errno, f"cannot allocate LMDB's lock file: {e.strerror}", lock) from None
+            raise OSError(e.errno, f"cannot allocate the blocks of {os.path.basename(file)}: {e.strerror}",
+                          file) from None
     finally:
         os.close(fd)
 
