@@ -10,10 +10,12 @@ Statistics are pushed, not asked for: a `StatsSnapshot` goes out every STATS_INT
 every output frame in which a request finished (so that a client that got its answer sees it
 counted), so the HTTP process answers /hicache/stats and /metrics at once, however long a step takes.
 With no work it blocks in `poll` between snapshots (noticing a dead parent there too), so an idle
-server burns next to no CPU. If the HTTP process was killed, it removes the socket directory.
+server burns next to no CPU. Every TRIM_INTERVAL_S it hands the C heap's free memory back to the
+OS (`_trim_heap`). If the HTTP process was killed, it removes the socket directory.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import logging
@@ -45,6 +47,7 @@ logger = logging.getLogger("hicache.scheduler")
 
 DEFAULT_FACTORY = "hicache.runtime.build:build_scheduler"
 STATS_INTERVAL_S = 0.5
+TRIM_INTERVAL_S = 30.0  # how often the C heap's free memory goes back to the OS
 
 
 def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
@@ -107,6 +110,18 @@ def _freeze_heap() -> None:
     logger.info("start-up heap frozen: %d objects out of the garbage collector's sight", gc.get_freeze_count())
 
 
+def _trim_heap() -> None:
+    """Hands the C heap's free memory back to the OS (glibc's `malloc_trim`; nothing where the C
+    library has none). Every step allocates and frees tensors of other sizes: glibc keeps the freed
+    memory in its arenas, and without this the process's resident set drifts up and down under a
+    steady load as that memory comes and goes."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
 def _set_cpu_threads() -> None:
     """Leave one core to the HTTP process (tokenizing, detokenizing, SSE). With every core in
     torch's intra-op pool the two processes oversubscribe the CPU, and an OpenMP team whose
@@ -162,6 +177,7 @@ class SchedulerLoop:
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (rejections)
         self.dropped_frames = 0
         self.last_snapshot = 0.0
+        self.last_trim = time.monotonic()
         self._stats_failed = False
 
     def run(self) -> None:
@@ -174,6 +190,9 @@ class SchedulerLoop:
             self._step()
             if time.monotonic() - self.last_snapshot >= STATS_INTERVAL_S:
                 self._send([self.snapshot()])
+            if time.monotonic() - self.last_trim >= TRIM_INTERVAL_S:
+                self.last_trim = time.monotonic()
+                _trim_heap()
 
     def _until_snapshot_ms(self) -> int:
         return max(0, int((self.last_snapshot + STATS_INTERVAL_S - time.monotonic()) * 1000) + 1)
