@@ -10,8 +10,9 @@ Statistics are pushed, not asked for: a `StatsSnapshot` goes out every STATS_INT
 every output frame in which a request finished (so that a client that got its answer sees it
 counted), so the HTTP process answers /hicache/stats and /metrics at once, however long a step takes.
 With no work it blocks in `poll` between snapshots (noticing a dead parent there too), so an idle
-server burns next to no CPU. Every TRIM_INTERVAL_S it hands the C heap's free memory back to the
-OS (`_trim_heap`). If the HTTP process was killed, it removes the socket directory.
+server burns next to no CPU. It hands the C heap's free memory back to the OS (`_trim_heap`) when
+its work runs out, and every TRIM_INTERVAL_S while it is busy. If the HTTP process was killed, it
+removes the socket directory.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ logger = logging.getLogger("hicache.scheduler")
 
 DEFAULT_FACTORY = "hicache.runtime.build:build_scheduler"
 STATS_INTERVAL_S = 0.5
-TRIM_INTERVAL_S = 30.0  # how often the C heap's free memory goes back to the OS
+TRIM_INTERVAL_S = 30.0  # how often a busy scheduler hands the C heap's free memory back to the OS
+TRIM_IDLE_GAP_S = 1.0  # the least time between two such hand-backs when the scheduler runs out of work
 
 
 def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
@@ -178,11 +180,13 @@ class SchedulerLoop:
         self.dropped_frames = 0
         self.last_snapshot = 0.0
         self.last_trim = time.monotonic()
+        self.was_busy = False
         self._stats_failed = False
 
     def run(self) -> None:
         while self.running:
             busy = self.sched.has_work() or bool(self.pending)
+            self._trim(busy)
             if self.poller.poll(0 if busy else self._until_snapshot_ms()):
                 self._drain()
             if not self.running or os.getppid() != self.parent_pid:
@@ -190,9 +194,14 @@ class SchedulerLoop:
             self._step()
             if time.monotonic() - self.last_snapshot >= STATS_INTERVAL_S:
                 self._send([self.snapshot()])
-            if time.monotonic() - self.last_trim >= TRIM_INTERVAL_S:
-                self.last_trim = time.monotonic()
-                _trim_heap()
+
+    def _trim(self, busy: bool) -> None:
+        """`_trim_heap` every TRIM_INTERVAL_S, and when the work runs out (at most every TRIM_IDLE_GAP_S)."""
+        since = time.monotonic() - self.last_trim
+        if since >= TRIM_INTERVAL_S or (not busy and self.was_busy and since >= TRIM_IDLE_GAP_S):
+            _trim_heap()
+            self.last_trim = time.monotonic()
+        self.was_busy = busy
 
     def _until_snapshot_ms(self) -> int:
         return max(0, int((self.last_snapshot + STATS_INTERVAL_S - time.monotonic()) * 1000) + 1)
