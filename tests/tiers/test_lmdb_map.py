@@ -2,7 +2,7 @@
 die of SIGBUS on its next read) degrades the backend instead, at once or at the next open; so does
 a sparse `data.mdb` on a full tmpfs (mounted for the test; skipped where mounting is not permitted),
 until there is room for its blocks; values read or checked for presence do not stay in the
-process's resident set."""
+process's resident set, and writes drop what other reads left there."""
 from __future__ import annotations
 
 import json
@@ -93,7 +93,7 @@ def mapped_kib(path: str) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from /proc (Linux)")
-def test_values_read_and_checked_leave_the_resident_set(tmp_path):
+def test_values_read_and_checked_leave_the_resident_set(tmp_path, monkeypatch):
     b = make_backend("lmdb", NS, path=str(tmp_path / "l3"), size_cap_gb=1, min_free_mb=0)
     k = page_keys(namespace_seed("rss"), list(range(256)), 4)
     pages = [torch.randn(SHAPE) for _ in k]
@@ -105,6 +105,13 @@ def test_values_read_and_checked_leave_the_resident_set(tmp_path):
     values_kib = 64 * pages[0].numel() * 4 // 1024
     assert os.path.getsize(data) // 1024 >= values_kib
     assert mapped_kib(data) < values_kib // 8, "the values' pages stayed mapped"
+    e = b._env
+    with e.env.begin(buffers=True) as txn:  # what any read through the map leaves behind
+        assert all(txn.get(b.storage_key(key), db=e.pages) is not None for key in k)
+    assert mapped_kib(data) >= values_kib
+    monkeypatch.setattr(lmdb_env, "DROP_INTERVAL_S", 0.0)
+    assert b.batch_set(k[:1], pages[:1]) == 0  # a write: the writer drops the map's pages
+    assert mapped_kib(data) < values_kib // 8
     b.close()
 
 

@@ -19,8 +19,8 @@ it up, so no read path through py-lmdb avoids the map.
 
 Pages of the map that were read count in the process's resident set (file-backed, shared with the
 page cache) until the kernel reclaims them. `release` drops a value's pages from it right after
-the value was copied out: they stay in the page cache, which the kernel reclaims under pressure,
-and the resident set holds only the B-trees' pages (bounded by the store's size).
+the value was copied out, and `DataFile.drop` the whole map's now and then (the writer does, after
+a write): they stay in the page cache, which the kernel reclaims under pressure.
 """
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ class DataFile:
         if self.size < pages_bytes:
             os.close(self.fd)
             raise Truncated(errno.EIO, f"{self.size} bytes, its pages need {pages_bytes}: truncated", self.path)
+        self.base = map_start(self.fd)  # where this process maps it (LMDB has, by now)
 
     def check(self) -> None:
         """Truncated if the file shrank since the last check (LMDB only ever grows it)."""
@@ -112,8 +113,30 @@ class DataFile:
                             self.path)
         self.size = size
 
+    def drop(self, map_size: int) -> None:
+        """Drops every page of the map from this process's resident set (see `release`): B-tree
+        pages move with every write (copy-on-write), so the pages once read spread over the file."""
+        if self.base is not None:
+            _madvise(self.base, map_size, _DONTNEED)
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+def map_start(fd: int) -> int | None:
+    """The address at which this process maps offset 0 of the file open as `fd` (None: not mapped,
+    or no /proc)."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[3] == device and int(fields[4]) == st.st_ino:
+                    return int(fields[0].split("-")[0], 16) - int(fields[2], 16)
+    except OSError:
+        return None
+    return None
 
 
 def release(values: list) -> None:

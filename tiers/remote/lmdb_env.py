@@ -24,6 +24,7 @@ logger = logging.getLogger("hicache.tiers.remote.lmdb")
 LOW_WATERMARK = 0.9  # eviction goes down to this fraction of the cap
 MAX_READERS = 256
 WRITE_ATTEMPTS = 3  # a failed write evicts and retries this many times in all
+DROP_INTERVAL_S = 10.0  # the writer drops the map's pages from the resident set at most this often
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # last access ns, value bytes
 _BYTES = b"bytes"
@@ -39,6 +40,7 @@ class LmdbEnv:
         self.full: str | None = None  # why writes are blocked (a disk that eviction could not help)
         self.broken: str | None = None  # why the store is unusable (data.mdb truncated under it)
         self._full_need = 0  # bytes of the write that failed
+        self._dropped = time.monotonic()  # when the map's pages last left the resident set
         self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, sync=sync, metasync=sync,
                              max_readers=MAX_READERS, writemap=False)
         try:  # open read the meta pages with pread: the map holds them, stat and info are safe
@@ -124,6 +126,9 @@ class LmdbEnv:
         and a disk failure blocks writes (`full`) until `recheck` clears it."""
         nbytes = sum(len(v) for _, v in items)
         self._make_room(nbytes)
+        if time.monotonic() - self._dropped >= DROP_INTERVAL_S:
+            self._dropped = time.monotonic()
+            self.data.drop(self.env.info()["map_size"])
         error = None
         for attempt in range(WRITE_ATTEMPTS):
             try:
