@@ -12,8 +12,9 @@ with `ignore_eos`.
 Every `--report-every` seconds (30) the clients pause, the server drains (nothing running, queued or
 in flight between tiers), and one line is printed: the RSS of the API process and of the scheduler
 process, their drift since the end of warm-up (the first report after `--warmup-s` with L2 full,
-so that L2's pages are resident) with its anonymous and file-backed parts (LMDB's map is file-backed:
-pages of it that were read count until the kernel reclaims them), requests and request errors so far,
+so that L2's pages are resident) with its anonymous and file-backed parts (file-backed: pages of
+LMDB's map that were read; the backend drops a value's pages once it is copied out, so only the
+B-trees' stay, and those are page cache the kernel reclaims), requests and request errors so far,
 the leaked pages (L1 pages that neither the tree nor a request holds, and the same for L2, at that
 idle point), and the tokens each tier served. Exits 1 on any request error, any leaked page, or a
 server process that died.
@@ -344,12 +345,15 @@ def summary(samples: list[Sample], tally: Tally, alive: bool, args) -> int:
           + ", ".join(f"{t} {tally.cached[t]}" for t in TIERS))
     measured = [s for s in samples if s.drift]
     for name in ("api", "scheduler"):
-        values = [s.drift[name]["VmRSS"] for s in measured if "VmRSS" in s.drift.get(name, {})]
-        if values:
-            last = measured[-1].drift[name]
-            print(f"soak: {name} RSS drift after warm-up ({measured[0].t:.0f} s): last {values[-1]:+.1f} MiB "
-                  f"(anon {fmt(last.get('RssAnon'), True)}, file {fmt(last.get('RssFile'), True)}), "
-                  f"max {max(values):+.1f} MiB")
+        drifts = [s.drift[name] for s in measured if "VmRSS" in s.drift.get(name, {})]
+        if drifts:
+            base = measured[0].mem[name]["VmRSS"]
+            parts = ", ".join(f"{label} last {d[-1]:+.1f} max {max(d):+.1f}" for label, d in
+                              (("RSS", [x["VmRSS"] for x in drifts]), ("anon", [x.get("RssAnon", 0) for x in drifts]),
+                               ("file", [x.get("RssFile", 0) for x in drifts])))
+            worst = max(abs(x["VmRSS"]) for x in drifts)
+            print(f"soak: {name} drift after warm-up ({measured[0].t:.0f} s, RSS {base:.1f} MiB then), MiB: {parts}; "
+                  f"largest |RSS drift| {100 * worst / base:.1f}% of it")
     if not measured:
         print(f"soak: no RSS drift measured: warm-up ({args.warmup_s:.0f} s and L2 full) did not end")
     leaks = [s.leaked for s in samples if any(s.leaked.values())]

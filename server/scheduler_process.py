@@ -10,10 +10,13 @@ Statistics are pushed, not asked for: a `StatsSnapshot` goes out every STATS_INT
 every output frame in which a request finished (so that a client that got its answer sees it
 counted), so the HTTP process answers /hicache/stats and /metrics at once, however long a step takes.
 With no work it blocks in `poll` between snapshots (noticing a dead parent there too), so an idle
-server burns next to no CPU. If the HTTP process was killed, it removes the socket directory.
+server burns next to no CPU. It hands the C heap's free memory back to the OS (`_trim_heap`) when
+its work runs out, and every TRIM_INTERVAL_S while it is busy. If the HTTP process was killed, it
+removes the socket directory.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import logging
@@ -45,6 +48,8 @@ logger = logging.getLogger("hicache.scheduler")
 
 DEFAULT_FACTORY = "hicache.runtime.build:build_scheduler"
 STATS_INTERVAL_S = 0.5
+TRIM_INTERVAL_S = 30.0  # how often a busy scheduler hands the C heap's free memory back to the OS
+TRIM_IDLE_GAP_S = 1.0  # the least time between two such hand-backs when the scheduler runs out of work
 
 
 def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
@@ -109,6 +114,18 @@ def _freeze_heap() -> None:
     logger.info("start-up heap frozen: %d objects out of the garbage collector's sight", gc.get_freeze_count())
 
 
+def _trim_heap() -> None:
+    """Hands the C heap's free memory back to the OS (glibc's `malloc_trim`; nothing where the C
+    library has none). Every step allocates and frees tensors of other sizes: glibc keeps the freed
+    memory in its arenas, and without this the process's resident set drifts up and down under a
+    steady load as that memory comes and goes."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
 def _set_cpu_threads() -> None:
     """torch's pool: one thread per core this process may run on (its affinity, not the host's
     count), no inter-op pool. The HTTP process keeps torch to one thread (`launch.run`) and
@@ -171,12 +188,15 @@ class SchedulerLoop:
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (rejections)
         self.dropped_frames = 0
         self.last_snapshot = 0.0
+        self.last_trim = time.monotonic()
+        self.was_busy = False
         self._stats_failed = False
 
     def run(self) -> None:
         while self.running:
             self.sched.check_health()
             busy = self.sched.has_work() or bool(self.pending)
+            self._trim(busy)
             if self.poller.poll(0 if busy else self._until_snapshot_ms()):
                 self._drain()
             if not self.running or os.getppid() != self.parent_pid:
@@ -184,6 +204,14 @@ class SchedulerLoop:
             self._step()
             if time.monotonic() - self.last_snapshot >= STATS_INTERVAL_S:
                 self._send([self.snapshot()])
+
+    def _trim(self, busy: bool) -> None:
+        """`_trim_heap` every TRIM_INTERVAL_S, and when the work runs out (at most every TRIM_IDLE_GAP_S)."""
+        since = time.monotonic() - self.last_trim
+        if since >= TRIM_INTERVAL_S or (not busy and self.was_busy and since >= TRIM_IDLE_GAP_S):
+            _trim_heap()
+            self.last_trim = time.monotonic()
+        self.was_busy = busy
 
     def _until_snapshot_ms(self) -> int:
         return max(0, int((self.last_snapshot + STATS_INTERVAL_S - time.monotonic()) * 1000) + 1)

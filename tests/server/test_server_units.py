@@ -2,6 +2,7 @@
 metrics rendering, stats table."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import msgpack
@@ -13,7 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
 from hicache.runtime.sampling import SamplingParams
-from hicache.server import stats_cli
+from hicache.server import scheduler_process, stats_cli
 from hicache.server.cli import build_parser
 from hicache.server.config import ServerConfig
 from hicache.server.detokenizer import IncrementalDetokenizer, StopStringBuffer
@@ -240,3 +241,23 @@ def test_stats_hit_rates_and_table():
     text = console.export_text()
     for word in ("device", "host", "storage", "40.0%", "10.0%", "disabled", "loaded back", "2.0 KiB", "1000.0 KiB"):
         assert word in text, word
+
+
+@pytest.mark.skipif(scheduler_process._MALLOC_TRIM is None, reason="glibc's malloc_trim")
+def test_the_scheduler_hands_freed_heap_memory_back():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(1024)]  # 64 MiB under glibc's mmap threshold: on the heap
+    for b in blocks:
+        ctypes.memset(b, 1, 64 << 10)
+    for b in blocks[:-1]:  # the last one holds the heap's top: nothing is returned by itself
+        libc.free(b)
+    before = anon_kib()
+    scheduler_process._trim_heap()
+    assert before - anon_kib() > 32 << 10
+    libc.free(blocks[-1])
+
+
+def anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))

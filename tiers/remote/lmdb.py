@@ -20,6 +20,10 @@ and writes are blocked: the backend is degraded ("writes fail at <path>: ..."), 
 worker's probe unblocks writes once the disk has room for the failed write plus `min_free_mb` and
 a small write works.
 
+A store whose `data.mdb` was truncated under it is degraded ("... truncated ...") until the server
+restarts, its map never read again; values read leave the process's resident set once decoded
+(`disk.py` says how, and what can still SIGBUS).
+
 Two engines of one process on the same path share the environment (LMDB allows one per process);
 several processes share it through LMDB's own locking.
 
@@ -89,6 +93,10 @@ class LmdbBackend(BackendBase):
                 env = self._env
             if env is None:
                 raise BackendUnavailable(self.status())
+        try:
+            env.check()
+        except OSError:
+            raise BackendUnavailable(self.status()) from None
         return env
 
     def probe(self) -> None:
@@ -104,8 +112,8 @@ class LmdbBackend(BackendBase):
 
     def status(self) -> str:
         env = self._env
-        if env is not None and env.full is not None:
-            return f"degraded: {env.full}"
+        if env is not None and (env.broken or env.full) is not None:
+            return f"degraded: {env.broken or env.full}"
         return super().status()
 
     def storage_key(self, key: str) -> bytes:
@@ -113,17 +121,17 @@ class LmdbBackend(BackendBase):
 
     def batch_exists(self, keys: list[str]) -> int:
         e = self._ready()
-        with e.env.begin(db=e.pages, buffers=True) as txn:
+        with e.env.begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                if txn.get(self.storage_key(key)) is None:
+                if not e.exists(txn, self.storage_key(key)):
                     return i
         return len(keys)
 
     def batch_get(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         e = self._ready()
         raw = [self.storage_key(k) for k in keys]
-        with e.env.begin(db=e.pages, buffers=True) as txn:  # buffers point into the map: decode inside
-            ok = self.fill(keys, [txn.get(k) for k in raw], pages)
+        with e.env.begin(buffers=True) as txn:  # buffers point into the map: decode inside
+            ok = e.read(txn, raw, lambda values: self.fill(keys, values, pages))
         hits = [k for k, good in zip(raw, ok) if good]
         if hits and e.full is None:  # access times are writes too
             e.submit(e.touch, hits)
@@ -150,7 +158,11 @@ class LmdbBackend(BackendBase):
         e = self._env
         if e is None:
             return dict(super().stats(), used_bytes=0, capacity_bytes=self._cap)
-        return dict(super().stats(), used_bytes=e.used_bytes(), capacity_bytes=e.size_cap, **e.counters,
+        try:
+            used = e.used_bytes()
+        except OSError:  # truncated
+            used = 0
+        return dict(super().stats(), used_bytes=used, capacity_bytes=e.size_cap, **e.counters,
                     disk_free_bytes=free_bytes(e.path))
 
     def close(self) -> None:

@@ -1,10 +1,13 @@
 """One LMDB environment of this process (`LmdbEnv`): its sub-databases, its writer thread, LRU
 eviction down to `LOW_WATERMARK` of the cap, and the full-disk handling that `lmdb.py`'s module
 docstring describes. `open_env` / `close_env` share one environment among the backends of a
-process that name the same path."""
+process that name the same path. Every operation first checks that `data.mdb` has not shrunk
+(`disk.DataFile`); a store truncated under it is `broken` until the process restarts. Presence is
+looked up in `atime`, never in `pages`: py-lmdb reads a whole value to look it up."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import queue
@@ -14,13 +17,14 @@ import time
 
 import lmdb
 
-from hicache.tiers.remote.disk import MIB, free_bytes, prepare
+from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare, release
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
 LOW_WATERMARK = 0.9  # eviction goes down to this fraction of the cap
 MAX_READERS = 256
 WRITE_ATTEMPTS = 3  # a failed write evicts and retries this many times in all
+DROP_INTERVAL_S = 10.0  # the writer drops the map's pages from the resident set at most this often
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # last access ns, value bytes
 _BYTES = b"bytes"
@@ -34,9 +38,16 @@ class LmdbEnv:
         prepare(path, MAX_READERS, min_free)  # before anything is mapped: no SIGBUS on a full disk
         self.path, self.size_cap, self.min_free, self.refs = path, size_cap, min_free, 0
         self.full: str | None = None  # why writes are blocked (a disk that eviction could not help)
+        self.broken: str | None = None  # why the store is unusable (data.mdb truncated under it)
         self._full_need = 0  # bytes of the write that failed
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=True, sync=sync, metasync=sync,
+        self._dropped = time.monotonic()  # when the map's pages last left the resident set
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, sync=sync, metasync=sync,
                              max_readers=MAX_READERS, writemap=False)
+        try:  # open read the meta pages with pread: the map holds them, stat and info are safe
+            self.data = DataFile(path, (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
+        except OSError:
+            self.env.close()
+            raise
         try:
             self.pages = self.env.open_db(b"pages")
             self.atime = self.env.open_db(b"atime")
@@ -44,6 +55,7 @@ class LmdbEnv:
             self.meta = self.env.open_db(b"meta")
         except lmdb.Error:
             self.env.close()
+            self.data.close()
             raise
         self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0,
                          "write_failures": 0, "disk_short": 0}
@@ -65,6 +77,7 @@ class LmdbEnv:
                 return
             fn, args, fut = job
             try:
+                self.check()
                 fut.set_result(fn(*args))
             except Exception as e:  # reaches the caller through the future
                 fut.set_exception(e)
@@ -73,6 +86,37 @@ class LmdbEnv:
         self._jobs.put(None)
         self._thread.join(timeout=30)
         self.env.close()
+        self.data.close()
+
+    # ---- reads (any thread) -------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Truncated, once `data.mdb` has shrunk (then for good): nothing may read the map."""
+        if self.broken is None:
+            try:
+                self.data.check()
+            except Truncated as e:
+                self._break(e)
+        if self.broken is not None:
+            raise Truncated(errno.EIO, self.broken)
+
+    def exists(self, txn, key: bytes) -> bool:
+        """Whether `key` holds a value, from `atime` (a value's pages are not read)."""
+        return txn.get(key, db=self.atime) is not None
+
+    def read(self, txn, keys: list[bytes], decode) -> list[bool]:
+        """`decode(values)` on the values of `keys` in a read transaction (buffers into the map; None:
+        absent), whose pages then leave the resident set (`disk.release`)."""
+        values = [txn.get(k, db=self.pages) for k in keys]
+        try:
+            return decode(values)
+        finally:
+            release(values)
+
+    def _break(self, error: Truncated) -> None:
+        if self.broken is None:
+            self.broken = f"{error.filename}: {error.strerror}"
+            logger.error("L3 lmdb: %s; the store is not read again until restart (move or delete it)", self.broken)
 
     # ---- jobs (writer thread only) ------------------------------------------------------------
 
@@ -82,6 +126,9 @@ class LmdbEnv:
         and a disk failure blocks writes (`full`) until `recheck` clears it."""
         nbytes = sum(len(v) for _, v in items)
         self._make_room(nbytes)
+        if time.monotonic() - self._dropped >= DROP_INTERVAL_S:
+            self._dropped = time.monotonic()
+            self.data.drop(self.env.info()["map_size"])
         error = None
         for attempt in range(WRITE_ATTEMPTS):
             try:
@@ -144,7 +191,7 @@ class LmdbEnv:
         now, written, nbytes = time.time_ns(), 0, 0
         total = _read_u64(txn.get(_BYTES, db=self.meta))
         for key, value in items:
-            if txn.get(key, db=self.pages) is not None:
+            if self.exists(txn, key):
                 continue
             txn.put(key, value, db=self.pages)
             txn.put(key, _ATIME.pack(now, len(value)), db=self.atime)
@@ -227,6 +274,7 @@ class LmdbEnv:
         self.delete(keys)
 
     def used_bytes(self) -> int:
+        self.check()
         with self.env.begin(db=self.meta) as txn:
             return _read_u64(txn.get(_BYTES))
 
