@@ -21,7 +21,7 @@ from hicache.runtime.model_config import ModelConfig
 
 
 @functools.cache
-def _cuda_kernels():
+def cuda_kernels():
     """The layer's Triton kernels (RMSNorm, add + RMSNorm, RoPE, SiLU-mul, few-row linear) where
     triton is installed, else None."""
     if importlib.util.find_spec("triton") is None:
@@ -33,7 +33,7 @@ def _cuda_kernels():
 
 
 @functools.cache
-def _cpu_kernels():
+def cpu_kernels():
     """The compiled CPU kernels (`hicache.kernels.cpu`) where they build, else None."""
     from hicache.kernels import cpu
 
@@ -45,8 +45,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None)
     through oneDNN; on CUDA, decode-sized batches go through the Triton few-row kernel where it
     is the faster one (`hicache.kernels.linear.prefers`); everything else through F.linear."""
     if packed is not None:
-        return _cpu_kernels().linear(x, packed)
-    kernels = _cuda_kernels() if x.is_cuda else None
+        return cpu_kernels().linear(x, packed)
+    kernels = cuda_kernels() if x.is_cuda else None
     if kernels is not None and kernels.prefers_rows(x, w):
         return kernels.linear_rows(x, w)
     return F.linear(x, w)
@@ -70,8 +70,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu is not None and x.dim() == 2:
             return self.cpu.rmsnorm(x, self.weight, self.eps)
-        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:  # one launch instead of ~7
-            return _cuda_kernels().rmsnorm(x, self.weight, self.eps)
+        if x.is_cuda and x.dim() == 2 and cuda_kernels() is not None:  # one launch instead of ~7
+            return cuda_kernels().rmsnorm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +79,8 @@ class RMSNorm(nn.Module):
         (one call with the CPU kernels)."""
         if self.cpu is not None and x.dim() == 2:
             return self.cpu.add_rmsnorm(x, delta, self.weight, self.eps)
-        if x.is_cuda and x.dim() == 2 and _cuda_kernels() is not None:
-            return _cuda_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
+        if x.is_cuda and x.dim() == 2 and cuda_kernels() is not None:
+            return cuda_kernels().add_rmsnorm(x, delta, self.weight, self.eps)
         total = x + delta
         return total, rms_norm(total, self.weight, self.eps)
 
@@ -149,9 +149,9 @@ class RotaryEmbedding(nn.Module):
             self.ensure(self.max_positions, positions.device)
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
             self.ensure(2 * int(positions.max()) + 1, positions.device)
-        if positions.is_cuda and _cuda_kernels() is not None:  # one launch for q and k
+        if positions.is_cuda and cuda_kernels() is not None:  # one launch for q and k
             norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            return _cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
+            return cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0].weight, qk_norm[0].eps), rms_norm(k, qk_norm[1].weight, qk_norm[1].eps)
         if self.cpu is not None:
@@ -165,7 +165,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def _repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False) -> None:
+def repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False) -> None:
     """Restores `module`'s packed weights, then, with `kernels`, packs `names` into
     `module.packs` (each parameter's data emptied unless `keep`)."""
     for name, packed in module.packs.items():

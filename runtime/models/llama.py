@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hicache.runtime.model_config import ModelConfig
-from hicache.runtime.models.layers import RMSNorm, RotaryEmbedding, _cpu_kernels, _cuda_kernels, _repack, linear
+from hicache.runtime.models.layers import RMSNorm, RotaryEmbedding, cpu_kernels, cuda_kernels, repack, linear
 from hicache.runtime.models.moe import SparseMoeBlock, covered_names, hf_name
 from hicache.runtime.models.sharding import Index, fused_rows, index, scaled, sharded_param, take, vocab_embedding
 from hicache.runtime.parallel import SINGLE, TensorParallel
@@ -104,8 +104,8 @@ class LlamaMLP(nn.Module):
         down = self.packs.get("down_proj")
         if self.cpu is not None and gate_up.dim() == 2:
             return linear(self.cpu.silu_mul(gate_up), self.down_proj, down)
-        if gate_up.is_cuda and gate_up.dim() == 2 and _cuda_kernels() is not None:
-            return self.reduced(linear(_cuda_kernels().silu_mul(gate_up), self.down_proj))
+        if gate_up.is_cuda and gate_up.dim() == 2 and cuda_kernels() is not None:
+            return self.reduced(linear(cuda_kernels().silu_mul(gate_up), self.down_proj))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.reduced(linear(F.silu(gate) * up, self.down_proj, down))
 
@@ -188,14 +188,14 @@ class LlamaForCausalLM(nn.Module):
         only where the kernels build; returns whether they are on. A packed weight replaces its
         parameter's data (left empty, restored when turned off), but for a tied lm_head, which the
         embedding still reads. Call it once the weights are final: `load_weights` turns it off."""
-        kernels = _cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
+        kernels = cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 module.cpu = kernels
             if hasattr(module, "LINEARS"):
-                _repack(module, module.LINEARS, kernels)
-        _repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
+                repack(module, module.LINEARS, kernels)
+        repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
         return kernels is not None
 
     @torch.inference_mode()
