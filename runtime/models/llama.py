@@ -103,7 +103,7 @@ class LlamaMLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj"))
         down = self.packs.get("down_proj")
         if self.cpu is not None and gate_up.dim() == 2:
-            return linear(self.cpu.silu_mul(gate_up), self.down_proj, down)
+            return self.reduced(linear(self.cpu.silu_mul(gate_up), self.down_proj, down))
         if gate_up.is_cuda and gate_up.dim() == 2 and cuda_kernels() is not None:
             return self.reduced(linear(cuda_kernels().silu_mul(gate_up), self.down_proj))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -13,7 +13,7 @@ from engines import make_engine
 pytestmark = pytest.mark.model
 
 CHUNK, PAGE = 8, 4  # a 40-token prompt spans five prefill chunks
-TOL = 1e-4
+TOL = 5e-4  # fp32: our oneDNN linears and compiled attention sum in other orders than HF's torch ops
 
 
 @pytest.fixture(scope="module")
