@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hicache.server.routing import METHODS as LOAD_BALANCE_METHODS
 from hicache.server.tools import FORMATS as TOOL_CALL_FORMATS
 
 
@@ -23,6 +24,12 @@ class ServerConfig:
     request_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a client gets to send a request's headers (from its first byte, or from connecting) and, again, its body; then the server answers 408 and closes the connection."})
     tool_call_parser: str | None = field(default=None, metadata={"help": "How tool calls look in the model's output: hermes (<tool_call>{...}</tool_call>) or llama3 (a bare JSON object); default: detected from the chat template (hermes when it says nothing)."})
     response_write_timeout: float = field(default=60.0, metadata={"help": "Seconds one write of a response may wait for a client that stops reading it (a stalled stream); then its requests are aborted and the connection closed."})
+    dp_size: int = field(default=1, metadata={"help": "Data-parallel replicas: scheduler processes behind this one HTTP process, each with its own model copy, L1 and L2; they share the L3 tier (an LMDB path, Redis, Mooncake; the memory backend is per replica). Sizes (--max-total-tokens, --mem-fraction-static, --hicache-size) are per replica; replica i runs on GPU i modulo the visible GPUs."})
+    load_balance_method: str = field(default="cache_aware", metadata={"help": "How requests are spread over the --dp-size replicas: cache_aware (to the replica that served the longest prefix of the prompt, unless the loads are imbalanced) or round_robin."})
+    cache_threshold: float = field(default=0.3, metadata={"help": "cache_aware: a request goes to the replica with the longest cached prefix when that covers more than this fraction of its prompt; otherwise to the replica with the most room."})
+    balance_abs_threshold: int = field(default=64, metadata={"help": "cache_aware: the loads (requests in flight) count as imbalanced, and a request goes to the least loaded replica, when the largest exceeds the smallest by more than this ..."})
+    balance_rel_threshold: float = field(default=1.5, metadata={"help": "... and is more than this many times the smallest."})
+    max_tree_size: int = field(default=0, metadata={"help": "cache_aware: tokens of recent prompts the router remembers per replica (least recently used forgotten first); 0: as many as the replica's L1 and L2 hold."})
     restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
@@ -42,6 +49,16 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}")
         if not self.response_write_timeout > 0:
             raise ValueError(f"response_write_timeout must be > 0 seconds, got {self.response_write_timeout}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
+                             f"got {self.load_balance_method!r}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1 or self.max_tree_size < 0:
+            raise ValueError("balance_abs_threshold and max_tree_size must be >= 0 and balance_rel_threshold >= 1, got "
+                             f"{self.balance_abs_threshold}, {self.max_tree_size} and {self.balance_rel_threshold}")
         for origin in self.origins():
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin such as https://example.com:8080")

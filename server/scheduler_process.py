@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from typing import NamedTuple
 
 import zmq
 
@@ -48,15 +49,17 @@ STATS_INTERVAL_S = 0.5
 
 
 def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
-          warm_up: bool = True):
-    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). `keys`
-    reach it as spawn arguments (through the pipe multiprocessing feeds the child, never a file or
-    the environment). With `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
+          warm_up: bool = True, rank: int = 0, replicas: int = 1):
+    """Spawn the scheduler process `rank` of `replicas`; returns the `multiprocessing.Process`
+    (already started). `keys` reach it as spawn arguments (through the pipe multiprocessing feeds
+    the child, never a file or the environment). With `warm_up` it runs `Scheduler.warm_up` before
+    it reports ready."""
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=main,
-        name="hicache-scheduler",
-        args=(paths, keys, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up),
+        name="hicache-scheduler" if replicas == 1 else f"hicache-scheduler-{rank}",
+        args=(paths, keys, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up,
+              Placement(rank, replicas)),
         daemon=True,
     )
     proc.start()
@@ -64,11 +67,14 @@ def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, fa
 
 
 def main(paths: IpcPaths, keys: SchedulerKeys, runtime_kwargs: dict, cache_kwargs: dict, factory: str,
-         parent_pid: int, warm_up: bool = True) -> None:
+         parent_pid: int, warm_up: bool = True, placement: Placement | None = None) -> None:
     """Process entry point."""
+    placement = placement or Placement(0, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    _set_cpu_threads()
+    name = "scheduler" if placement.replicas == 1 else f"scheduler-{placement.rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    _set_cpu_threads(placement.replicas)
+    _set_gpu(placement)
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, paths, keys)
     try:
@@ -107,15 +113,33 @@ def _freeze_heap() -> None:
     logger.info("start-up heap frozen: %d objects out of the garbage collector's sight", gc.get_freeze_count())
 
 
-def _set_cpu_threads() -> None:
-    """Leave one core to the HTTP process (tokenizing, detokenizing, SSE). With every core in
-    torch's intra-op pool the two processes oversubscribe the CPU, and an OpenMP team whose
-    threads get descheduled runs several times slower than one thread. OMP_NUM_THREADS wins."""
+class Placement(NamedTuple):
+    """Which of the server's scheduler processes this is (`--dp-size`)."""
+
+    rank: int
+    replicas: int
+
+
+def _set_cpu_threads(replicas: int) -> None:
+    """Leave one core to the HTTP process (tokenizing, detokenizing, SSE) and share the rest among
+    the replicas. With every core in torch's intra-op pool the processes oversubscribe the CPU, and
+    an OpenMP team whose threads get descheduled runs several times slower than one thread.
+    OMP_NUM_THREADS wins."""
     if os.environ.get("OMP_NUM_THREADS"):
         return
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // replicas))
+
+
+def _set_gpu(placement: Placement) -> None:
+    """Replica `rank` runs on visible GPU `rank` modulo their number (several replicas may share one)."""
+    if placement.replicas == 1:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(placement.rank % torch.cuda.device_count())
 
 
 def _connect(ctx: zmq.Context, paths: IpcPaths, keys: SchedulerKeys) -> tuple[zmq.Socket, zmq.Socket]:
