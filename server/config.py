@@ -30,7 +30,7 @@ class ServerConfig:
     balance_abs_threshold: int = field(default=64, metadata={"help": "cache_aware: the loads (requests in flight) count as imbalanced, and a request goes to the least loaded replica, when the largest exceeds the smallest by more than this ..."})
     balance_rel_threshold: float = field(default=1.5, metadata={"help": "... and is more than this many times the smallest."})
     max_tree_size: int = field(default=0, metadata={"help": "cache_aware: tokens of recent prompts the router remembers per replica (least recently used forgotten first); 0: as many as the replica's L1 and L2 hold."})
-    restart_scheduler: bool = field(default=False, metadata={"help": "When the scheduler process dies, fail its in-flight requests and start a new one (the L3 tier survives; requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
+    restart_scheduler: bool = field(default=False, metadata={"help": "When a scheduler process dies (a replica's, under --dp-size), fail its in-flight requests and start a new one (the L3 tier survives; the other replicas serve meanwhile, and with one replica requests get 503 until it is ready). Without it the server fails them and exits with code 3, for its supervisor to restart."})
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name given as a plain string
