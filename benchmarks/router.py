@@ -3,7 +3,8 @@
 Two set-ups. By default: `--replicas` hicache servers (`--server-flags`) and, for each `--policies`
 entry in turn, `sglang-router` in front of them, every replica's cache emptied first. With
 `--dp-size N`: one `hicache serve --dp-size N --load-balance-method P` per policy P (the replicas
-behind the server's own router; a fresh server per policy, so every cache starts empty). Either
+behind the server's own router; a fresh server per policy, so every cache starts empty; `{policy}`
+in `--server-flags` becomes the policy's name, so that each can have an L3 path of its own). Either
 way multiturn.py's workload runs through the router: `--num-clients` tenants, each with its own conversation (round 0: a
 `--request-length`-token system prompt and question), `--num-rounds` rounds, every round carrying
 the whole history. Reports per policy the cache hit rate, throughput and how the requests spread
@@ -86,8 +87,8 @@ def run_policy(args, replicas: list[str], policy: str) -> dict:
 
 def run_dp(args, ours, policy: str) -> dict:
     """One `hicache serve --dp-size N` with `policy` as its load-balance method, fresh for the policy."""
-    proc, args.url = start_server([*shlex.split(ours.server_flags), "--dp-size", str(ours.dp_size),
-                                   "--load-balance-method", policy])
+    flags = shlex.split(ours.server_flags.replace("{policy}", policy))  # e.g. an L3 path of its own
+    proc, args.url = start_server([*flags, "--dp-size", str(ours.dp_size), "--load-balance-method", policy])
     try:
         result = asyncio.run(multiturn.run(args, multiturn.MultiTurn(args)))
         stats = httpx.get(args.url + "/hicache/stats", timeout=30).json()
