@@ -98,8 +98,9 @@ def test_stats_metrics_and_the_cli_show_replicas_and_their_total(dp_server, caps
 
 def test_a_killed_replica_ends_its_streams_then_the_server(dp_server):
     """Runs last: the module's server does not survive it."""
+    before = stats(dp_server.url)["router"]["routed"]
     streams = open_streams(dp_server.url, 1)
-    rank = next(r["dp_rank"] for r in stats(dp_server.url)["replicas"] if r["running"])
+    rank = next(r for r, (a, b) in enumerate(zip(stats(dp_server.url)["router"]["routed"], before)) if a > b)
     killed_at = time.monotonic()
     os.kill(dp_server.pids[rank], signal.SIGKILL)
     assert_failed_in_time(streams, killed_at)
