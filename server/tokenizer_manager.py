@@ -68,6 +68,7 @@ class TokenizerManager:
         self._closing = False
         self._states: dict[str, _ReqState] = {}
         self._aborting: dict[str, int] = {}  # rid -> replica, closed early, abort not yet confirmed
+        self._loads = [0] * len(self.replicas)  # open requests per replica
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -185,9 +186,10 @@ class TokenizerManager:
             raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
         self._check_rid(req.rid)
         rep = self._pick(req)
+        stream = RequestStream(self.tokenizer, req.sampling_params)
         state = _ReqState(queue=asyncio.Queue(), replica=rep.rank)
         self._states[req.rid] = state
-        stream = RequestStream(self.tokenizer, req.sampling_params)
+        self._loads[rep.rank] += 1
         finished = False
         try:
             rep.send([req])
@@ -201,6 +203,7 @@ class TokenizerManager:
                 yield chunk
         finally:
             self._states.pop(req.rid, None)
+            self._loads[rep.rank] -= 1
             if not finished and self._abort_on(rep, req.rid):
                 self._aborting[req.rid] = rep.rank
 
@@ -213,10 +216,7 @@ class TokenizerManager:
         if pinned is not None and not alive[pinned]:
             raise SchedulerUnavailable(f"replica {pinned} is not serving: "
                                        f"{self.replicas[pinned].dead_reason or 'it is not running'}")
-        loads = [0] * self.dp_size
-        for state in self._states.values():
-            loads[state.replica] += 1
-        return self.replicas[self.router.route(req.input_ids, req.cache_salt, loads, alive, pinned).rank]
+        return self.replicas[self.router.route(req.input_ids, req.cache_salt, self._loads, alive, pinned).rank]
 
     def _check_rid(self, rid) -> None:
         if not isinstance(rid, str) or not rid:
