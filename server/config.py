@@ -16,7 +16,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = field(default=(), metadata={"help": "Model names (one or more, space-separated) that requests may name, besides --model-path as given; the first is the name responses report. Default: the model's own name."})
     max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
-    startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process to load the model and warm up."})
+    startup_timeout: float = field(default=900.0, metadata={"help": "Seconds to wait for the scheduler process (each replica's) to load the model and warm up."})
     skip_server_warmup: bool = field(default=False, metadata={"help": "Serve without the warm-up request at start (one short greedy request through prefill and decode, so that the GPU kernels compile before the first user request: FlashInfer's first use takes minutes). It caches nothing and counts in no statistic."})
     graceful_shutdown_timeout: float = field(default=5.0, metadata={"help": "On SIGTERM, seconds in-flight requests get to finish before they are failed."})
     allowed_origins: str | None = field(default=None, metadata={"help": "Comma-separated origins (scheme://host[:port]) whose web pages may call the API from a browser (CORS), or '*' for any; default: none, and no CORS headers are sent."})

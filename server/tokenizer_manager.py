@@ -64,7 +64,6 @@ class TokenizerManager:
                                  warm_up, self._route, self._replica_died, self.redact)
                          for rank in range(self.router.replicas)]
         self.tokenizer = None
-        self.startup_timeout = 0.0
         self._closing = False
         self._states: dict[str, _ReqState] = {}
         self._aborting: dict[str, int] = {}  # rid -> replica, closed early, abort not yet confirmed
@@ -75,7 +74,6 @@ class TokenizerManager:
     async def start(self, timeout: float) -> None:
         """Bind the sockets, spawn the schedulers, load the tokenizer meanwhile, wait until every
         replica's model is loaded (and warmed up)."""
-        self.startup_timeout = timeout
         for rep in self.replicas:
             rep.open(self._task_ended)
         tok_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, self.runtime_config))
