@@ -1,14 +1,18 @@
-"""Replicas behind SGLang's router: cache-aware routing against round robin on one workload.
+"""Replicas behind a router: cache-aware routing against round robin on one workload.
 
-Starts `--replicas` hicache servers (`--server-flags`) and, for each `--policies` entry in turn,
-`sglang-router` in front of them; empties every replica's cache, then runs multiturn.py's workload
-through the router: `--num-clients` tenants, each with its own conversation (round 0: a
+Two set-ups. By default: `--replicas` hicache servers (`--server-flags`) and, for each `--policies`
+entry in turn, `sglang-router` in front of them, every replica's cache emptied first. With
+`--dp-size N`: one `hicache serve --dp-size N --load-balance-method P` per policy P (the replicas
+behind the server's own router; a fresh server per policy, so every cache starts empty; `{policy}`
+in `--server-flags` becomes the policy's name, so that each can have an L3 path of its own). Either
+way multiturn.py's workload runs through the router: `--num-clients` tenants, each with its own conversation (round 0: a
 `--request-length`-token system prompt and question), `--num-rounds` rounds, every round carrying
 the whole history. Reports per policy the cache hit rate, throughput and how the requests spread
 over the replicas, then the hit-rate and throughput ratios of the first policy over the second.
 One JSON line per policy is appended to `--log-file`.
 
     .venv/bin/python benchmarks/router.py --num-clients 16 --num-rounds 6 --request-length 1024
+    .venv/bin/python benchmarks/router.py --dp-size 2 --num-clients 16 --num-rounds 6 --request-length 1024
 
 `start_router` is also what the tests use to put the router in front of their servers.
 """
@@ -81,23 +85,49 @@ def run_policy(args, replicas: list[str], policy: str) -> dict:
     return result
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--server-flags", default=SERVER_FLAGS, help="flags of every replica's `hicache serve`")
-    p.add_argument("--policies", nargs=2, default=["cache_aware", "round_robin"], help="the policy and its baseline")
-    ours, rest = p.parse_known_args(argv)
-    args = multiturn.parse_args(rest if "--log-file" in rest else [*rest, "--log-file", str(LOG)])
-    args.benchmark, args.flush, args.api = "router", False, "native"
+def run_dp(args, ours, policy: str) -> dict:
+    """One `hicache serve --dp-size N` with `policy` as its load-balance method, fresh for the policy."""
+    flags = shlex.split(ours.server_flags.replace("{policy}", policy))  # e.g. an L3 path of its own
+    proc, args.url = start_server([*flags, "--dp-size", str(ours.dp_size), "--load-balance-method", policy])
+    try:
+        result = asyncio.run(multiturn.run(args, multiturn.MultiTurn(args)))
+        stats = httpx.get(args.url + "/hicache/stats", timeout=30).json()
+    finally:
+        stop(proc)
+    result["per_replica_requests"] = [r.get("requests_finished", 0) for r in stats["replicas"]]
+    result["router"] = stats["router"]
+    result["policy"], result["dp_size"] = policy, ours.dp_size
+    return result
+
+
+def run_servers(args, ours) -> list[dict]:
+    """`--replicas` servers behind sglang-router, one policy after the other."""
     servers = []
     try:
         for _ in range(ours.replicas):
             servers.append(start_server(shlex.split(ours.server_flags)))
         replicas = [url for _, url in servers]
-        results = [run_policy(args, replicas, policy) for policy in ours.policies]
+        return [run_policy(args, replicas, policy) for policy in ours.policies]
     finally:
         for proc, _ in servers:
             stop(proc)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--dp-size", type=int, default=0,
+                   help="replicas inside one server (--dp-size) instead of servers behind sglang-router")
+    p.add_argument("--server-flags", default=SERVER_FLAGS, help="flags of every replica's `hicache serve`")
+    p.add_argument("--policies", nargs=2, default=["cache_aware", "round_robin"], help="the policy and its baseline")
+    ours, rest = p.parse_known_args(argv)
+    args = multiturn.parse_args(rest if "--log-file" in rest else [*rest, "--log-file", str(LOG)])
+    args.benchmark, args.flush, args.api = "router", False, "native"
+    if ours.dp_size:
+        args.benchmark = "dp"
+        results = [run_dp(args, ours, policy) for policy in ours.policies]
+    else:
+        results = run_servers(args, ours)
     for r in results:
         print(f"== {r['policy']}: requests per replica {r['per_replica_requests']}")
         print(multiturn.report(r))

@@ -25,6 +25,7 @@ class GenerateRequest:
     cache_salt: str = ""  # tenants with different salts never share cached KV
     # with return_logprob: log-probs of prompt tokens [logprob_start_len, len(input_ids)); -1: none
     logprob_start_len: int = -1
+    routed_dp_rank: int | None = None  # the server replica that must serve it (--dp-size); None: any
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as msgpack builtins; `sampling_params` as `SamplingParams.to_wire()`."""

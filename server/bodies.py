@@ -202,6 +202,8 @@ class GenerateReqInput(RouterDefaults):
     return_text_in_logprobs: StrictBool = False
     cache_salt: Optional[str] = None
     extra_key: Optional[str] = None
+    routed_dp_rank: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # the replica, under --dp-size
+    data_parallel_rank: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # SGLang's older name of it
     background: Optional[Literal[False]] = None
     return_bytes: Optional[Literal[False]] = None
     return_entropy: Optional[Literal[False]] = None

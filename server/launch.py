@@ -1,4 +1,5 @@
-"""`hicache serve`: start the scheduler process, then uvicorn; stop both on SIGTERM / Ctrl-C.
+"""`hicache serve`: start the scheduler process (one a replica under `--dp-size`), then uvicorn;
+stop them all on SIGTERM / Ctrl-C.
 
 Shutdown order: uvicorn stops accepting, gives in-flight requests `graceful_shutdown_timeout`
 seconds, then cancels them (their streams end and their requests are aborted); then the
@@ -23,6 +24,7 @@ import uvicorn
 from hicache.server.app import MAX_HEADER_BYTES, create_app
 from hicache.server.config import ServerConfig
 from hicache.server.http_protocol import guarded_protocol
+from hicache.server.routing import Router
 from hicache.server.scheduler_process import DEFAULT_FACTORY
 from hicache.server.tokenizer_manager import TokenizerManager
 
@@ -43,7 +45,8 @@ def run(server_config: ServerConfig, runtime_config, cache_config, factory: str 
 
 async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str) -> int:
     tm = TokenizerManager(runtime_config, cache_config, factory=factory, warm_up=not server_config.skip_server_warmup,
-                          restart_scheduler=server_config.restart_scheduler)
+                          restart_scheduler=server_config.restart_scheduler,
+                          router=make_router(server_config, cache_config.page_size))
     _cancel_on_signals(asyncio.current_task())
     try:
         print(f"hicache: loading {runtime_config.model_path or 'the default model (SmolLM2-135M-Instruct)'} ...",
@@ -74,6 +77,12 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
         await asyncio.shield(tm.shutdown())
 
 
+def make_router(config: ServerConfig, page_size: int) -> Router:
+    """The replicas' router, as the `--dp-size` and routing flags say."""
+    return Router(config.dp_size, config.load_balance_method, page_size, config.cache_threshold,
+                  config.balance_abs_threshold, config.balance_rel_threshold, config.max_tree_size)
+
+
 def http_options(config: ServerConfig) -> dict:
     """uvicorn's HTTP options: h11 with read deadlines, a connection cap and JSON errors
     (`http_protocol`); h11 buffers at most MAX_HEADER_BYTES of an incomplete request line and
@@ -87,7 +96,8 @@ async def _announce(server: uvicorn.Server, config: ServerConfig, tm: TokenizerM
         await asyncio.sleep(0.05)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     url = f"http://{host}:{config.port}"
-    print(f"hicache: serving {(config.served_model_name or (tm.info.model_name,))[0]} at {url} "
+    replicas = f" on {tm.dp_size} replicas ({tm.router.method})" if tm.dp_size > 1 else ""
+    print(f"hicache: serving {(config.served_model_name or (tm.info.model_name,))[0]}{replicas} at {url} "
           f"(OpenAI base URL {url}/v1; stats: hicache stats --url {url})", flush=True)
 
 

@@ -3,7 +3,8 @@
 Per-request figures (tokens, cached tokens by tier, TTFT / ITL / E2E) are observed in the HTTP
 process as requests finish, as are its IPC counters (refused handshakes, dropped frames) and
 scheduler restarts. Scheduler-side figures (tier occupancy, evictions, queue lengths) come from the
-latest statistics snapshot the scheduler process published, exposed by `SchedulerCollector`.
+latest statistics snapshot the scheduler process published, exposed by `SchedulerCollector`; under
+`--dp-size` that is the replicas' total, with per-replica (`dp_rank`) and router series besides.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ class SchedulerCollector:
         yield _gauge("hicache_pages_held", "Device KV pages held by requests.", s.get("pages_held", 0))
         yield from _scheduler_counters(s)
         yield from _tier_families(s.get("tiers", {}))
+        if isinstance(s.get("replicas"), list):
+            yield from _replica_families(s["replicas"])
+        if isinstance(s.get("router"), dict):
+            yield from _router_families(s["router"])
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
@@ -60,6 +65,58 @@ def _tier_families(tiers: dict):
             if _is_number(values.get(key)):
                 fam.add_metric([tier], float(values[key]))
         yield fam
+
+
+_REPLICA_GAUGES = (("running", "hicache_replica_running_reqs", "Requests in a replica's running batch."),
+                   ("queued", "hicache_replica_queued_reqs", "Requests waiting for admission on a replica."))
+_REPLICA_TIER_KEYS = ("used_tokens", "capacity_tokens", "hit_tokens")
+
+
+def _replica_families(replicas: list[dict]):
+    """Under --dp-size: each replica's liveness, queues and per-tier occupancy and hits, by `dp_rank`."""
+    up = GaugeMetricFamily("hicache_replica_up", "1 while a replica's scheduler process serves.", labels=["dp_rank"])
+    for r in replicas:
+        up.add_metric([str(r.get("dp_rank"))], float(bool(r.get("alive"))))
+    yield up
+    for key, name, doc in _REPLICA_GAUGES:
+        fam = GaugeMetricFamily(name, doc, labels=["dp_rank"])
+        for r in replicas:
+            if _is_number(r.get(key)):
+                fam.add_metric([str(r["dp_rank"])], float(r[key]))
+        yield fam
+    for key in _REPLICA_TIER_KEYS:
+        cls = CounterMetricFamily if key == "hit_tokens" else GaugeMetricFamily
+        fam = cls(f"hicache_replica_tier_{key}", f"Per-replica, per-tier {key.replace('_', ' ')}.",
+                  labels=["dp_rank", "tier"])
+        for r in replicas:
+            for tier, values in (r.get("tiers") or {}).items():
+                if isinstance(values, dict) and _is_number(values.get(key)):
+                    fam.add_metric([str(r["dp_rank"]), tier], float(values[key]))
+        yield fam
+
+
+_ROUTER_COUNTERS = (("routed", "hicache_router_requests", "Requests the router sent to each replica."),
+                    ("prompt_tokens", "hicache_router_prompt_tokens", "Prompt tokens the router sent to each replica."),
+                    ("matched_tokens", "hicache_router_matched_tokens",
+                     "Prompt tokens of routed requests that the chosen replica's routing table matched."))
+
+
+def _router_families(router: dict):
+    for key, name, doc in _ROUTER_COUNTERS:
+        fam = CounterMetricFamily(name, doc, labels=["dp_rank"])
+        for rank, value in enumerate(router.get(key) or []):
+            fam.add_metric([str(rank)], float(value))
+        yield fam
+    table = GaugeMetricFamily("hicache_router_table_tokens", "Tokens each replica's routing table remembers.",
+                              labels=["dp_rank"])
+    for rank, value in enumerate(router.get("table_tokens") or []):
+        table.add_metric([str(rank)], float(value))
+    yield table
+    reasons = CounterMetricFamily("hicache_router_decisions", "Routing decisions by the rule that made them.",
+                                  labels=["reason"])
+    for reason, n in (router.get("reasons") or {}).items():
+        reasons.add_metric([reason], float(n))
+    yield reasons
 
 
 def _is_number(v) -> bool:

@@ -57,7 +57,8 @@ async def generate(request: Request):
     rid = body.rid or uuid.uuid4().hex
     _check_logprob_start(body.logprob_start_len, prompts)
     reqs = make_requests(prompts, params, rid, body.return_logprob, body.top_logprobs_num,
-                         body.cache_salt or body.extra_key, body.logprob_start_len)
+                         body.cache_salt or body.extra_key, body.logprob_start_len,
+                         _dp_rank(tm, body.routed_dp_rank, body.data_parallel_rank))
     multi = batched or params.n > 1
     shape = _Shape(body.return_logprob, (lambda t: tm.token_str(t)) if body.return_text_in_logprobs else None)
     if body.stream:
@@ -71,6 +72,15 @@ async def generate(request: Request):
     results = await collect(tm, reqs, request)
     out = [_native_result(r, res, shape, time.perf_counter() - started) for r, res in zip(reqs, results)]
     return out if multi else out[0]
+
+
+def _dp_rank(tm: TokenizerManager, routed: int | None, older: int | None) -> int | None:
+    """The replica a request names (`routed_dp_rank`, or SGLang's older `data_parallel_rank`)."""
+    rank, param = (routed, "routed_dp_rank") if routed is not None else (older, "data_parallel_rank")
+    if rank is not None and rank >= tm.dp_size:
+        raise APIError(400, f"{param}: {rank} is not a replica of this server (--dp-size {tm.dp_size})",
+                       param=param, code="invalid_value")
+    return rank
 
 
 def _check_logprob_start(start: int, prompts: list[list[int]]) -> None:
@@ -207,6 +217,7 @@ async def get_server_info(request: Request) -> dict:
                       "served_model_name": request.app.state.model_names[0],
                       "context_length": tm.info.context_length, "max_total_tokens": tm.kv_capacity,
                       "version": request.app.version, "scheduler_pid": tm.info.pid,
+                      "scheduler_pids": [rep.info.pid if rep.info else None for rep in tm.replicas],
                       "open_requests": tm.num_open_requests, "scheduler": await _stats(tm)})
 
 

@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from typing import NamedTuple
 
 import zmq
 
@@ -53,17 +54,19 @@ TRIM_IDLE_GAP_S = 1.0  # the least time between two such hand-backs when the sch
 
 
 def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, factory: str = DEFAULT_FACTORY,
-          warm_up: bool = True):
-    """Spawn the scheduler process; returns the `multiprocessing.Process` (already started). `keys`
-    reach it as spawn arguments (through the pipe multiprocessing feeds the child, never a file or
-    the environment). With `warm_up` it runs `Scheduler.warm_up` before it reports ready."""
+          warm_up: bool = True, rank: int = 0, replicas: int = 1):
+    """Spawn the scheduler process `rank` of `replicas`; returns the `multiprocessing.Process`
+    (already started). `keys` reach it as spawn arguments (through the pipe multiprocessing feeds
+    the child, never a file or the environment). With `warm_up` it runs `Scheduler.warm_up` before
+    it reports ready."""
     # OpenMP reads its wait policy when torch loads it: in the child's environment, before it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=main,
-        name="hicache-scheduler",
-        args=(paths, keys, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up),
+        name="hicache-scheduler" if replicas == 1 else f"hicache-scheduler-{rank}",
+        args=(paths, keys, asdict(runtime_config), asdict(cache_config), factory, os.getpid(), warm_up,
+              Placement(rank, replicas)),
         daemon=True,
     )
     proc.start()
@@ -71,11 +74,14 @@ def start(paths: IpcPaths, keys: SchedulerKeys, runtime_config, cache_config, fa
 
 
 def main(paths: IpcPaths, keys: SchedulerKeys, runtime_kwargs: dict, cache_kwargs: dict, factory: str,
-         parent_pid: int, warm_up: bool = True) -> None:
+         parent_pid: int, warm_up: bool = True, placement: Placement | None = None) -> None:
     """Process entry point."""
+    placement = placement or Placement(0, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    _set_cpu_threads()
+    name = "scheduler" if placement.replicas == 1 else f"scheduler-{placement.rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    _set_cpu_threads(placement.replicas)
+    _set_gpu(placement)
     ctx = zmq.Context()
     inbox, outbox = _connect(ctx, paths, keys)
     try:
@@ -126,22 +132,39 @@ def _trim_heap() -> None:
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
-def _set_cpu_threads() -> None:
-    """torch's pool: one thread per core this process may run on (its affinity, not the host's
-    count), no inter-op pool. The HTTP process keeps torch to one thread (`launch.run`) and
-    sleeps on its sockets between tokens, so the two do not oversubscribe the cores; the pool's
-    threads wait passively (`start`): spinning, they would hold the cores the HTTP process
-    needs. OMP_NUM_THREADS wins."""
+def _set_cpu_threads(replicas: int) -> None:
+    """torch's pool: the cores this process may run on (its affinity, not the host's count),
+    shared among the `--dp-size` replicas, no inter-op pool. The HTTP process keeps torch to one
+    thread (`launch.run`) and sleeps on its sockets between tokens, so the processes do not
+    oversubscribe the cores; the pool's threads wait passively (`start`): spinning, they would
+    hold the cores the HTTP process needs. OMP_NUM_THREADS wins."""
     import torch
 
     if not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(cpu_cores())
+        torch.set_num_threads(max(1, cpu_cores() // replicas))
     torch.set_num_interop_threads(1)
 
 
 def cpu_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Placement(NamedTuple):
+    """Which of the server's scheduler processes this is (`--dp-size`)."""
+
+    rank: int
+    replicas: int
+
+
+def _set_gpu(placement: Placement) -> None:
+    """Replica `rank` runs on visible GPU `rank` modulo their number (several replicas may share one)."""
+    if placement.replicas == 1:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(placement.rank % torch.cuda.device_count())
 
 
 def _connect(ctx: zmq.Context, paths: IpcPaths, keys: SchedulerKeys) -> tuple[zmq.Socket, zmq.Socket]:

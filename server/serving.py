@@ -141,7 +141,7 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
 
 def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
                   top_logprobs: int = 0, cache_salt: str | None = None,
-                  logprob_start_len: int = -1) -> list[GenerateRequest]:
+                  logprob_start_len: int = -1, routed_dp_rank: int | None = None) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
     `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
     if len(prompts) * params.n > MAX_CHOICES:
@@ -152,7 +152,7 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
         base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                                top_logprobs_num=top_logprobs, cache_salt=cache_salt or "",
-                               logprob_start_len=logprob_start_len)
+                               logprob_start_len=logprob_start_len, routed_dp_rank=routed_dp_rank)
         reqs.extend(expand_n(base))
     return reqs
 

@@ -143,7 +143,22 @@ def _summary(stats: dict, url: str) -> Table:
     t.add_row("tokens", f"prompt {_num(server.get('prompt_tokens', tokens.get('prompt')))}",
               f"generated {_num(server.get('generation_tokens', tokens.get('generation')))}",
               f"finished requests {_num(server.get('requests'))}")
+    router = stats.get("router") or {}
+    for r in stats.get("replicas") or []:  # one server's --dp-size replicas
+        t.add_row(*_replica_row(r, router))
     return t
+
+
+def _replica_row(r: dict, router: dict) -> tuple[str, ...]:
+    rank = r.get("dp_rank", 0)
+    if not r.get("alive"):
+        return f"replica {rank}", "[bold red]down[/bold red]", redact(str(r.get("error", "")))
+    routed, matched, prompt = (router.get(k) or [] for k in ("routed", "matched_tokens", "prompt_tokens"))
+    matched_pct = "-" if rank >= len(prompt) or not prompt[rank] else f"{matched[rank] / prompt[rank]:.1%}"
+    hits = sum((r.get("tiers") or {}).get(tier, {}).get("hit_tokens", 0) for tier in TIERS)
+    return (f"replica {rank}", f"running {r.get('running', 0)}", f"queued {r.get('queued', 0)}",
+            f"routed {_num(routed[rank] if rank < len(routed) else None)} ({router.get('method', '?')}, "
+            f"{matched_pct} of prompts matched)", f"hit tokens {_num(hits)}")
 
 
 def _tier_table(name: str, tier: dict, rate: float | None) -> Table:

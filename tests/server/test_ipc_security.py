@@ -390,7 +390,7 @@ async def _exercise_loops() -> dict:
         assert await _run(tm, "poisoned", [POISON, 2]) == expected
         # the API sends the scheduler garbage, a list as rid, a str as token id
         for frame in (b"\xc1garbage", MALFORMED["rid is a list"], MALFORMED["input id is a str"]):
-            tm._send_sock.send(frame)
+            tm.replicas[0]._send_sock.send(frame)
         assert await _run(tm, "after", [3]) == expected
         first = asyncio.create_task(_run(tm, "twin", [1], 20))
         await asyncio.sleep(0)  # it runs up to its first wait: registered and sent
