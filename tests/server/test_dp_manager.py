@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 
+import pytest
+
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
@@ -82,6 +84,7 @@ async def exercise() -> dict:
         await tm.shutdown()
 
 
+@pytest.mark.slow  # minutes: the fake replicas stream as fast as they can while one restarts
 def test_two_replicas_route_abort_and_survive_a_killed_one():
     got = asyncio.run(exercise())
     assert got["routed_rr"] == [2, 2]
