@@ -24,6 +24,7 @@ from hicache.runtime.parallel import TensorParallel
 from hicache.runtime.tp_fanout import StorageFanout, TransferFanout
 from hicache.tiers.base import StorageResult, TransferResult
 from test_hicache_l2 import GREEDY, drain, request
+from test_hicache_l3 import settle
 
 PAGE = 4
 NEW = 6
@@ -68,15 +69,6 @@ def tp2(tiny_config_path, tmp_path_factory):
                       hicache_storage_backend_extra_config={"prefetch_threshold": 16, "path": str(path)})
     yield sched
     sched.close()
-
-
-def settle(sched) -> None:
-    for _ in range(500):
-        if not sched.cache.storage.busy():
-            return
-        sched.cache.storage.wait(0.02)
-        sched.cache.storage.poll()
-    raise AssertionError("L3 operations still in flight")
 
 
 def test_tp2_matches_tp1_through_retraction_load_back_and_prefetch(tp2, prompts, want):

@@ -18,7 +18,6 @@ import torch
 from hicache.pagekey import namespace_seed, page_keys
 from hicache.tiers.remote import disk, lmdb_env, make_backend
 from hicache.tiers.remote import lmdb as lmdb_tier
-from test_storage_failsafe import mount_tmpfs
 
 NS = "00112233445566aa"
 SHAPE = (2, 4, 16, 2, 64)  # 64 KiB pages: LMDB keeps them in overflow pages of their own
@@ -113,15 +112,6 @@ def test_values_read_and_checked_leave_the_resident_set(tmp_path, monkeypatch):
     assert b.batch_set(k[:1], pages[:1]) == 0  # a write: the writer drops the map's pages
     assert mapped_kib(data) < values_kib // 8
     b.close()
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    fs = mount_tmpfs(tmp_path / "fs", 8)
-    try:
-        yield fs
-    finally:
-        subprocess.run(["umount", "-l", str(fs.root)], check=False)
 
 
 def test_a_sparse_data_file_on_a_full_disk_is_degraded_where_plain_lmdb_dies_of_sigbus(tmp_path, small_fs,

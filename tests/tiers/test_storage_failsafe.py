@@ -96,13 +96,6 @@ def mount_tmpfs(path: Path, size_mib: int) -> SmallFs:
     return SmallFs(path)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    fs = mount_tmpfs(tmp_path / "fs", 8)
-    try:
-        yield fs
-    finally:
-        subprocess.run(["umount", "-l", str(fs.root)], check=False)
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
