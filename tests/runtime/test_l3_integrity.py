@@ -212,7 +212,7 @@ def test_the_secret_is_taken_from_the_flag_and_never_shown(tiny_config_path):
         return SimpleNamespace(ok=True, data=stats)
 
     tm = SimpleNamespace(runtime_config=RuntimeConfig(model_path=str(tiny_config_path)), cache_config=cc,
-                         info=SimpleNamespace(context_length=1, pid=1), kv_capacity=1, num_open_requests=0,
+                         info=SimpleNamespace(context_length=1, pid=1), kv_capacity=1, num_open_requests=0, replicas=[],
                          control=control, stats=lambda: stats, redact=lambda value: value)  # no help from redact()
     app = SimpleNamespace(state=SimpleNamespace(tm=tm, config=ServerConfig(), model_names=["m"]), version="0")
     info = asyncio.run(get_server_info(SimpleNamespace(app=app)))
