@@ -8,6 +8,7 @@ warm up. Tests that need other flags, or stop or kill their server, start their 
 (server_harness.start_server)."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 from homes import private_home
@@ -28,3 +29,21 @@ def server_start(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(server_start):
     return server_start.handle
+
+
+@pytest.fixture(scope="session")
+def oai(server):
+    """An `openai` client of the session's server."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def client(oai):
+    """The OpenAI-route tests' client (a module of another API names its own `client`)."""
+    return oai
+
+
+@pytest.fixture(scope="session")
+def model(oai):
+    """The served model's name, as /v1/models lists it."""
+    return oai.models.list().data[0].id

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import ollama
-import openai
 import pytest
 
 from server_harness import ALIAS, MODEL_NAME
@@ -17,11 +16,6 @@ GREEDY = {"temperature": 0, "num_predict": 3}
 @pytest.fixture(scope="module")
 def client(server):
     return ollama.Client(host=server.url, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def test_chat_streamed_and_not_equals_the_openai_answer(client, oai):

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import ollama
-import openai
 import pytest
 
 from server_harness import ALIAS
@@ -51,11 +50,6 @@ def as_openai(messages: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def client(server):
     return ollama.Client(host=server.url, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def test_calls_come_back_as_tool_calls_streamed_or_not(client, oai):

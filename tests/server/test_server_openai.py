@@ -11,16 +11,6 @@ LONG_SYSTEM = ("You are a meticulous assistant for a travel company. " * 4 + "Ru
                " ".join(f"Rule {i}: always answer politely, cite the city name, and keep it brief." for i in range(25)))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_models_lists_the_served_model(client, model):
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     assert client.models.list().data[0].owned_by == "hicache"

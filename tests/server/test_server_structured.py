@@ -21,16 +21,6 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c

@@ -39,16 +39,6 @@ FEW_SHOT = [*asked(1, "London", 2), *asked(2, "Rome", 1), {"role": "user", "cont
 QUESTION = [{"role": "user", "content": "What time is it?"}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def valid(args: dict, schema: dict) -> bool:
     """The parts of JSON schema WEATHER uses: required keys, enums, integer bounds."""
     props = schema.get("properties", {})
