@@ -5,8 +5,10 @@ throughput (prompt tokens per second of prefill steps, fed by the runtime) and, 
 bandwidth of its loads (`host`: L2 -> L1 copies, `storage`: L3 -> L2 fetches, in bytes per second,
 fed by the controllers from their transfers' results). For a range of `tokens` on a tier, with
 `queued_bytes` of that tier's loads ahead of it, loading takes (queued_bytes + tokens x bytes per
-token) / bandwidth and recomputing takes tokens / prefill rate; whichever is faster wins, so a hit
-on a slow tier never makes a request slower than computing it.
+token) / bandwidth and recomputing takes (backlog + tokens) / prefill rate, where the backlog is the
+prompt tokens the scheduler has yet to compute (`set_backlog`): a busy GPU queues a recomputation
+as the tier queues a load. Whichever is faster wins, so that a hit on a slow tier never makes a
+request slower than computing it.
 
 Until both rates are measured, ranges are loaded. A tier whose ranges keep being recomputed would
 never be measured again, so after `PROBE_EVERY` refusals in a row one range is loaded anyway
@@ -53,11 +55,15 @@ class LoadDecider:
         self.mode, self.bytes_per_token = mode, bytes_per_token
         self.prefill = Rate()  # tokens per second
         self.bandwidth = {tier: Rate() for tier in TIERS}  # bytes per second
+        self.backlog = 0  # prompt tokens queued for prefill
         self._refused = collections.Counter()  # tier -> refusals in a row
         self.counters = collections.Counter()
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill.add(tokens, seconds)
+
+    def set_backlog(self, tokens: int) -> None:
+        self.backlog = tokens
 
     def record_load(self, tier: str, nbytes: int, seconds: float) -> None:
         self.bandwidth[tier].add(nbytes, seconds)
@@ -67,7 +73,7 @@ class LoadDecider:
         bw, prefill = self.bandwidth[tier].value, self.prefill.value
         if bw is None or prefill is None:
             return None
-        return (queued_bytes + tokens * self.bytes_per_token) / bw, tokens / prefill
+        return (queued_bytes + tokens * self.bytes_per_token) / bw, (self.backlog + tokens) / prefill
 
     def load(self, tier: str, tokens: int, queued_bytes: int = 0) -> bool:
         """Whether to load `tokens` from `tier` (True) or recompute them (False, counted)."""

@@ -11,8 +11,10 @@ inserts; a new leaf that extends a path (a conversation's next turn) takes its p
 a new branch (a new conversation under a shared prompt, a one-off prompt) starts with none. The
 classes, evicted in this order:
 
-- expired: idle for more than `EXPIRY` times its gap (the tree's typical gap for a node never
-  reused): a finished session, a prefix that went cold; least recently used first;
+- expired: idle for more than `EXPIRY` times its gap (for a node never reused, the tree's typical
+  gap or the ticks in which the cache turns over, whichever is longer: a typical gap learnt from a
+  few fast conversations must not expire a crowd of slower ones before they could come back): a
+  finished session, a prefix that went cold; least recently used first;
 - never reused (a first turn, a conversation recomputed after its eviction): the newest first, so
   that newcomers churn among themselves instead of pushing out residents that have not had their
   turn yet; under LRU, conversations that come back in turn and do not all fit evict exactly the
@@ -37,17 +39,30 @@ PACE_WEIGHT = 1 / 16  # weight of each sample in the tree's typical gap
 
 class UseClock:
     """The tree's use clock: `now` ticks once per insert; `typical_gap` follows the reuse gaps of
-    the paths that inserts extend (how long a conversation takes to come back; 0 until one did)."""
+    the paths that inserts extend (how long a conversation takes to come back; 0 until one did);
+    `tokens_per_tick` the new tokens an insert caches, against `capacity` (the largest tier's
+    tokens) for `turnover`."""
 
-    __slots__ = ("now", "typical_gap")
+    __slots__ = ("now", "typical_gap", "capacity", "tokens_per_tick")
 
-    def __init__(self):
+    def __init__(self, capacity: int = 0):
         self.now = 0
         self.typical_gap = 0.0
+        self.capacity = capacity
+        self.tokens_per_tick = 0.0
 
     def tick(self) -> int:
         self.now += 1
         return self.now
+
+    def added(self, tokens: int) -> None:
+        """The insert of this tick cached `tokens` new tokens."""
+        t = self.tokens_per_tick
+        self.tokens_per_tick = t + (tokens - t) * PACE_WEIGHT if t else float(tokens)
+
+    def turnover(self) -> float:
+        """Ticks in which inserts cache as many new tokens as the largest tier holds (0 until known)."""
+        return self.capacity / self.tokens_per_tick if self.tokens_per_tick else 0.0
 
     def record(self, gap: float) -> None:
         self.typical_gap += (gap - self.typical_gap) * PACE_WEIGHT if self.typical_gap else gap
@@ -74,7 +89,7 @@ def lfu(node: TreeNode, clock: UseClock) -> Priority:
 def next_use(node: TreeNode, clock: UseClock) -> Priority:
     """Expired first (oldest first), then never reused (newest first), then the farthest
     predicted next use."""
-    gap = node.reuse_gap or clock.typical_gap
+    gap = node.reuse_gap or max(clock.typical_gap, clock.turnover())
     if gap and clock.now - node.last_use > EXPIRY * gap:
         return (0, node.last_use)
     if not node.reuse_gap:

@@ -299,6 +299,11 @@ class CacheManager:
         L2 and L3 are weighed against (`hicache/decide.py`)."""
         self.controller.decider.record_prefill(tokens, seconds)
 
+    def set_prefill_backlog(self, tokens: int) -> None:
+        """The prompt tokens queued for prefill (waiting and running requests'), which a
+        recomputation would wait behind."""
+        self.controller.decider.set_backlog(tokens)
+
     def close(self) -> None:
         """Stops the L3 I/O threads (after their in-flight writes)."""
         if self.storage is not None:

@@ -211,6 +211,7 @@ class Scheduler:
         where its chunks end, and memory comes from the free pool and the tree only."""
         if self.waiting:
             self.cache.prefetch_grace()
+        self.cache.set_prefill_backlog(sum(max(0, len(r.input_ids) - r.kv_len) for r in (*self.waiting, *self.running)))
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.policy.max_prefill_tokens
         if after is not None:

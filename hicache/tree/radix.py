@@ -31,7 +31,8 @@ class RadixTree(Residency):
         self._priority = get_strategy(eviction_policy)
         self._aging = eviction_policy in AGING
         self._clock = itertools.count(1)
-        self.use_clock = UseClock()  # what the eviction strategy reads besides the nodes
+        tiers = [a.capacity_tokens() for a in (allocator, host_allocator) if a is not None]
+        self.use_clock = UseClock(max(tiers, default=0))  # what the eviction strategy reads besides the nodes
         self._init_state()
 
     def _init_state(self) -> None:
@@ -126,6 +127,7 @@ class RadixTree(Residency):
             if continued and node.reuse_gap:
                 leaf.reuse_gap = node.reuse_gap
                 self.use_clock.record(node.reuse_gap)
+        self.use_clock.added(aligned - pos)
         return pos if present is None else present
 
     def insert_host(self, token_ids: Sequence[int], host_slots: torch.Tensor, start: int, namespace: str = "") -> int:

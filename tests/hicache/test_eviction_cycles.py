@@ -23,7 +23,7 @@ def later(rates: list[float]) -> tuple[float, float]:
     return sum(rates[1:]) / len(rates[1:]), min(rates[1:])
 
 
-@pytest.mark.parametrize("name", ["cyclic-64", "cyclic-64-long-first"])
+@pytest.mark.parametrize("name", ["cyclic-64", "cyclic-64-long-first", "cyclic-64-long-first-primed"])
 def test_default_keeps_a_stable_subset_where_recency_collapses(name):
     w = WORKLOADS[name]
     assert sim.working_set(w) * w.l2 < sum(q.prompt + q.answer for q in w.rounds[0]), "round 0 must overflow L2"

@@ -38,6 +38,17 @@ def test_decider_weighs_load_time_queue_included_against_recompute_time():
         LoadDecider("sometimes")
 
 
+def test_a_prefill_backlog_counts_against_recomputing():
+    d = LoadDecider("measured", BYTES_PER_TOKEN)
+    d.record_prefill(1000, 1.0)
+    d.record_load("storage", 50_000, 1.0)  # 500 tokens/s worth of bytes: half the prefill rate
+    assert not d.load("storage", 64)
+    d.set_backlog(64)  # 64 tokens ahead: recomputing takes as long as loading
+    assert d.load("storage", 64)
+    d.set_backlog(0)
+    assert not d.load("storage", 64)
+
+
 def storage_setup(seconds_per_page: float, mode: str = "measured"):
     alloc = fakes.FakeAllocator(64, PS)
     host_pool = fakes.FakeHostPool(64, PS)
