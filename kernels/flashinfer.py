@@ -3,8 +3,11 @@
 A pool buffer [slots, Hkv, D] is FlashInfer's NHD paged cache with pages of one token
 ([slots, 1, Hkv, D]), so a request's KV is the list of its slots in the request-to-token table,
 whatever the pool's page size. `kv_indices` builds that list on the device (no host sync, testable
-on CPU); `PagedAttention` plans a forward pass once and then runs every layer of it. flashinfer is
-imported only when a `PagedAttention` is made (CUDA, fp16/bf16).
+on CPU); `PagedAttention` plans a forward pass once and then runs every layer of it. A layer with a
+sliding window of W keys gets a wrapper of its own, planned over each request's last keys only
+(`visible`: the W - 1 before its first new token, and the new ones) with `window_left = W - 1`,
+so that it neither reads nor lists the slots before the window. flashinfer is imported only when
+a `PagedAttention` is made (CUDA, fp16/bf16).
 """
 from __future__ import annotations
 
@@ -28,16 +31,32 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in HALF_DTYPES and head_dim in HEAD_DIMS
 
 
-def kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, total: int) -> torch.Tensor:
-    """The slots of tokens [0, kv_lens[i]) of table row rows[i], request after request: [total]
-    int32 on the table's device (total = sum(kv_lens), given so that nothing waits for the device).
-    rows, kv_lens: [N] int64 on that device."""
-    for name, t in (("rows", rows), ("kv_lens", kv_lens)):
+def kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, total: int,
+               starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots of tokens [starts[i], kv_lens[i]) of table row rows[i] (starts: 0 where None),
+    request after request: [total] int32 on the table's device (total = the tokens listed, given so
+    that nothing waits for the device). rows, kv_lens, starts: [N] int64 on that device."""
+    named = (("rows", rows), ("kv_lens", kv_lens)) + ((("starts", starts),) if starts is not None else ())
+    for name, t in named:
         index_vector(name, t, rows.numel())
         require(t.device == req_to_token.device, f"{name} is on {t.device}, the table on {req_to_token.device}")
-    seq = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), kv_lens, output_size=total)
-    pos = torch.arange(total, device=rows.device) - (kv_lens.cumsum(0) - kv_lens)[seq]
-    return req_to_token[rows[seq], pos].to(torch.int32)
+    counts = kv_lens if starts is None else kv_lens - starts
+    seq = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), counts, output_size=total)
+    pos = torch.arange(total, device=rows.device) - (counts.cumsum(0) - counts)[seq]
+    return req_to_token[rows[seq], pos if starts is None else pos + starts[seq]].to(torch.int32)
+
+
+def visible(window: int | None, kv_lens: list[int], q_lens: list[int]) -> list[int]:
+    """How many of each request's last keys a layer of this sliding window (None: full attention)
+    reads when q_lens[i] new tokens end its kv_lens[i]."""
+    if window is None:
+        return kv_lens
+    return [min(kv, q + window - 1) for kv, q in zip(kv_lens, q_lens)]
+
+
+def window_left(window: int | None) -> int:
+    """FlashInfer's `window_left` for a window of W keys (the query's own included); -1: none."""
+    return -1 if window is None else window - 1
 
 
 def _ones(lens: list[int]) -> torch.Tensor:
@@ -107,23 +126,26 @@ class PagedAttention:
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def plan_extend(self, indices: torch.Tensor, q_lens: list[int], kv_lens: list[int], scale: float) -> None:
-        """New tokens (q_lens[i] of request i, the last of its kv_lens[i] tokens) attend causally
-        to the request's KV; `indices` from `kv_indices`."""
+    def plan_extend(self, indices: torch.Tensor, q_lens: list[int], kv_lens: list[int], scale: float,
+                    window: int | None = None) -> None:
+        """New tokens (q_lens[i] of request i, the last of its kv_lens[i] tokens listed) attend
+        causally to the request's KV, within `window` keys where given; `indices` from `kv_indices`."""
         hq, hkv, d = self.heads
         self._before_plan()
         self._prefill.plan(_indptr(q_lens), _indptr(kv_lens), indices, _ones(kv_lens),
                            hq, hkv, d, 1, causal=True, sm_scale=scale, q_data_type=self.dtype,
-                           kv_data_type=self.dtype)
+                           kv_data_type=self.dtype, window_left=window_left(window))
         self._after_plan()
         self._active = self._prefill
 
-    def plan_decode(self, indices: torch.Tensor, kv_lens: list[int], scale: float) -> None:
-        """One query token per request, the last of its kv_lens[i] tokens."""
+    def plan_decode(self, indices: torch.Tensor, kv_lens: list[int], scale: float,
+                    window: int | None = None) -> None:
+        """One query token per request, the last of its kv_lens[i] tokens listed, within `window`
+        keys where given."""
         hq, hkv, d = self.heads
         self._before_plan()
         self._decode.plan(_indptr(kv_lens), indices, _ones(kv_lens), hq, hkv, d, 1, sm_scale=scale,
-                          q_data_type=self.dtype, kv_data_type=self.dtype)
+                          q_data_type=self.dtype, kv_data_type=self.dtype, window_left=window_left(window))
         self._after_plan()
         self._active = self._decode
 

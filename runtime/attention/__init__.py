@@ -119,8 +119,6 @@ def _triton(head_dim: int, device: torch.device, scale: float | None, windows: W
 
 
 def _flashinfer(head_dim: int, device: torch.device, scale: float | None, windows: Windows) -> AttentionBackend:
-    if any(windows):
-        raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers; use triton")
     _require_cuda("flashinfer", device)
     from hicache.kernels import flashinfer
 
@@ -128,7 +126,7 @@ def _flashinfer(head_dim: int, device: torch.device, scale: float | None, window
         raise ValueError("attention_backend 'flashinfer' needs the flashinfer package (pip install flashinfer-python)")
     from hicache.runtime.attention.flashinfer import FlashInferAttention
 
-    return FlashInferAttention(head_dim, scale)
+    return FlashInferAttention(head_dim, scale, windows)
 
 
 def _require_cuda(name: str, device: torch.device) -> None:
@@ -154,17 +152,16 @@ def check_names(name: str, decode_name: str) -> None:
 
 
 def resolve(name: str, decode_name: str, device: torch.device, dtype: torch.dtype,
-            head_dim: int, windowed: bool = False, cpu_kernels: bool = True) -> tuple[str, str]:
+            head_dim: int, cpu_kernels: bool = True) -> tuple[str, str]:
     """The concrete (prefill, decode) names for a KV pool of this dtype and head size on this
-    device, for a model with (`windowed`) or without sliding-window layers: "auto" as the module
-    docstring says (never flashinfer for a windowed model; never cpu without `cpu_kernels`),
-    other names kept."""
+    device: "auto" as the module
+    docstring says (never cpu without `cpu_kernels`), other names kept."""
     check_names(name, decode_name)
     cuda = _cuda(device)
     if name == "auto":
         from hicache.kernels import flashinfer
 
-        fits = cuda and not windowed and flashinfer.available() and flashinfer.supports(dtype, head_dim)
+        fits = cuda and flashinfer.available() and flashinfer.supports(dtype, head_dim)
         name = "flashinfer" if fits else ("triton" if cuda else _cpu_or_torch(device, dtype, head_dim, cpu_kernels))
         if decode_name == "auto":
             decode_name = "triton" if cuda else name
@@ -188,7 +185,7 @@ def make_attention(name: str, decode_name: str, device: torch.device, dtype: tor
     `SplitAttention` when prefill and decode differ.
     ValueError for unknown names, and for a backend that cannot run here."""
     windows = windows if any(windows) else ()
-    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, bool(windows), cpu_kernels)
+    prefill_name, decode_name = resolve(name, decode_name, device, dtype, head_dim, cpu_kernels)
     prefill = BACKENDS[prefill_name](head_dim, device, scale, windows)
     if decode_name == prefill_name:
         return prefill

@@ -38,6 +38,34 @@ def test_kv_indices_lists_each_rows_slots_in_order():
     assert torch.equal(out.long(), torch.cat([s[:n] for s, n in zip(slots[1:], shorter)]))
 
 
+def test_kv_indices_lists_a_tail_of_each_row_when_given_starts():
+    gen = fresh_gen()
+    lens, starts = [1, 300, 17, 64], [0, 250, 0, 63]
+    slots, _ = paged_slots(lens, 16, gen)
+    table, rows = table_of(slots)
+    total = sum(n - s for n, s in zip(lens, starts))
+    out = fi.kv_indices(table, rows, torch.tensor(lens, device=DEV), total, torch.tensor(starts, device=DEV))
+    assert torch.equal(out.long(), torch.cat([sl[s:] for sl, s in zip(slots, starts)]))
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_a_windowed_layer_reads_only_the_visible_tail(window):
+    """Attention over the tail `visible` lists equals attention over the whole KV, both masked by
+    the window (the torch reference): the tail holds every key a query of the window reads."""
+    gen = fresh_gen()
+    prefixes, extends = [0, 3, 200, 64, 10], [7, 1, 30, 1, 1]
+    lens = [p + e for p, e in zip(prefixes, extends)]
+    slots, num_slots = paged_slots(lens, 16, gen)
+    k_buf, v_buf = random_pool(num_slots, 2, 16, torch.float32, gen)
+    q = torch.randn(sum(extends), 4, 16, generator=gen, device=DEV)
+    seen = fi.visible(window, lens, extends)
+    tails = [s[n - v:] for s, n, v in zip(slots, lens, seen)]
+    assert all(v <= n for v, n in zip(seen, lens)) and fi.visible(None, lens, extends) == lens
+    want = ref.extend_attention(q, k_buf, v_buf, slots, extends, 0.25, window)
+    assert torch.allclose(ref.extend_attention(q, k_buf, v_buf, tails, extends, 0.25, window), want, atol=1e-6)
+    assert fi.window_left(window) == window - 1 and fi.window_left(None) == -1
+
+
 def test_kv_indices_rejects_bad_arguments():
     table = torch.zeros(4, 8, dtype=torch.int64, device=DEV)
     rows = torch.tensor([0, 1], device=DEV)
@@ -105,6 +133,34 @@ def test_decode_ragged(dtype, hq, hkv, page_size, d):
                                 d ** -0.5)
     for i in range(len(lens)):
         assert rel_err(out[i], want[i]) < 1e-2, i
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+@pytest.mark.parametrize("window", [1, 100, 512])
+def test_sliding_window_over_the_visible_tail(mode, window):
+    gen = fresh_gen()
+    d, dtype, hq, hkv = 256, torch.bfloat16, 8, 1  # Gemma 3 270M's heads
+    prefixes = [0, 37, 500, 1000, 4000] if mode == "extend" else [0, 99, 511, 2000, 4000]
+    extends = [200, 129, 1, 300, 64] if mode == "extend" else [1] * 5
+    lens = [p + e for p, e in zip(prefixes, extends)]
+    slots, num_slots = paged_slots(lens, 64, gen)
+    k_buf, v_buf = random_pool(num_slots, hkv, d, dtype, gen)
+    table, rows = table_of(slots)
+    q = torch.randn(sum(extends), hq, d, generator=gen, device=DEV).to(dtype)
+    seen = fi.visible(window, lens, extends)
+    ends = torch.tensor(lens, device=DEV)
+    indices = fi.kv_indices(table, rows, ends, sum(seen), ends - torch.tensor(seen, device=DEV))
+    attn = make(hq, hkv, d, dtype)
+    if mode == "extend":
+        attn.plan_extend(indices, extends, seen, d ** -0.5, window)
+    else:
+        attn.plan_decode(indices, seen, d ** -0.5, window)
+    out = attn.run(q, k_buf, v_buf)
+    want = ref.extend_attention(q.float(), k_buf.float(), v_buf.float(), slots, extends, d ** -0.5, window)
+    starts = [sum(extends[:i]) for i in range(len(extends))]
+    for s, e in zip(starts, extends):
+        assert rel_err(out[s:s + e], want[s:s + e]) < 1e-2
 
 
 @needs_flashinfer

@@ -56,11 +56,9 @@ def test_auto_on_cuda_prefills_on_flashinfer_where_it_serves_the_pool_and_decode
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the CUDA choices need triton")
-def test_windowed_models_never_get_flashinfer(monkeypatch):
+def test_windowed_models_get_flashinfer_where_it_fits(monkeypatch):
     monkeypatch.setattr(AVAILABLE, lambda: True)
-    assert resolve("auto", "auto", CUDA, BF16, 256, windowed=True) == ("triton", "triton")
-    with pytest.raises(ValueError, match="'flashinfer' does not run sliding-window layers"):
-        make_attention("flashinfer", "auto", CPU, BF16, 256, windows=(512, None))
+    assert resolve("auto", "auto", CUDA, BF16, 256) == ("flashinfer", "triton")
     attn = make_attention("auto", "auto", CPU, torch.float32, 256, scale=0.5, windows=(512, None))
     assert attn.windows == (512, None) and attn.scale == 0.5
     assert make_attention("auto", "auto", CPU, torch.float32, 64, windows=(None, None)).windows == ()

@@ -179,3 +179,45 @@ def run_random_weights(checkpoint, dtype, page_size, layout, graphs, io, backend
     assert_hf_argmax(hf, prompts, [o["output_ids"] for o in first], tol)
     assert_hf_argmax(hf, second, [o["output_ids"] for o in again], tol)
     check_tiers(first, again, prefix=256)
+
+
+# ---- sliding windows ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory):
+    """(folder, HF model on CPU fp32): a Gemma 3 of 4 layers, windowed (32 keys) and global in
+    turn, 4 query / 1 KV heads of 64 (a head size FlashInfer builds), random weights."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=32,
+                           sliding_window_pattern=2, query_pre_attn_scalar=64, max_position_embeddings=4096,
+                           bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(torch.seed() % 2**31)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    path = tmp_path_factory.mktemp("gemma3") / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_sliding_window_model_picks_hf_argmax(gemma3_checkpoint, backend):
+    """Prompts past the window, prefill in chunks, decode in CUDA graphs, then longer prompts over
+    the cached prefixes loaded back from L2: every token HF's argmax or a near tie (bf16)."""
+    if backend == "flashinfer" and not flashinfer.available():
+        pytest.skip("needs flashinfer")
+    path, hf_cpu = gemma3_checkpoint
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(40, 300))] for _ in range(5)]
+    second = [p + [5, 6, 7] for p in prompts]
+    cls = FlashInferAttention if backend == "flashinfer" else TritonAttention
+    with Engine(str(path), load_format="safetensors", dtype="bfloat16", page_size=16, max_total_tokens=1024,
+                hicache_ratio=8.0, max_running_requests=4, chunked_prefill_size=128, attention_backend=backend,
+                decode_attention_backend=backend) as engine:
+        first, again = two_rounds(engine, prompts, second, NEW, filler=600, backends=(cls, cls))
+    hf = copy.deepcopy(hf_cpu).to("cuda", torch.bfloat16)
+    try:
+        assert_hf_argmax(hf, prompts, [o["output_ids"] for o in first], 2e-2)
+        assert_hf_argmax(hf, second, [o["output_ids"] for o in again], 2e-2)
+    finally:
+        del hf
