@@ -37,6 +37,8 @@ from typing import Any, Sequence
 
 import torch
 
+from hicache.runtime.json_grammar import json_schema_grammar
+
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
@@ -133,7 +135,7 @@ class GrammarCompiler:
                                                           stop_token_ids=self._stops)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         if kind == "json_schema":
-            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return self._compiler.compile_grammar(json_schema_grammar(text, MAX_JSON_WHITESPACE))
         if kind == "structural_tag":
             return self._compiler.compile_structural_tag(*structural_tag_args(text))
         compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar}[kind]
