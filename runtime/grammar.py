@@ -17,10 +17,15 @@
   JSON schema over a large vocabulary costs a fraction of a millisecond, too much to fill a large
   batch's rows one after another inside a decode step. `BitmaskFiller` (the model runner's) runs it
   on a thread of its own (XGrammar's C++ releases the GIL), so that the scheduler thread goes on
-  meanwhile: the runner starts the fill after the forward pass is queued and queues the sampling
-  only when the next step needs it (`runtime/runner.py: PendingStep`), so that the fill overlaps
-  the pass on the device and the planning of the next step on the host. `runtime/constraint.py`
-  applies the mask to the logits in the sampler, outside any CUDA graph.
+  meanwhile: the runner starts the fill before the forward pass is queued (with overlap
+  scheduling, a continuation's as soon as the matchers have accepted the previous step's tokens:
+  `runtime/overlap.py`) and queues the sampling only when the next step needs it
+  (`runtime/runner.py: PendingStep`), so that the fill overlaps the pass on the device and the
+  host's results, outputs and planning. `runtime/constraint.py` applies the mask to the logits in
+  the sampler, outside any CUDA graph.
+- JSON schemas compile through `runtime/json_grammar.py`, which writes their length-bounded
+  strings so that XGrammar precomputes their masks (a fill of such a string otherwise checks most
+  of the vocabulary at run time).
 
 Stop tokens (the model's EOS ids) are allowed only where the grammar may end; a matcher that has
 accepted one is terminated, and the request finishes (`runtime/stop.py`).
@@ -274,18 +279,41 @@ class BitmaskFiller:
     def __init__(self):
         self._pool: ThreadPoolExecutor | None = None
 
-    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> Future | None:
-        """A future of `fill_bitmask(grammars, vocab_size)`; None when no row has a grammar."""
-        rows = [i for i, g in enumerate(grammars) if g is not None]
+    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> PendingFill | None:
+        """`fill_bitmask(grammars, vocab_size)` under way (a finished grammar's row allows every
+        token); None when no row has a grammar still going."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.finished]
         if not rows:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask")
-        return self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+        future = self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+        return PendingFill(future, rows, len(grammars))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class PendingFill:
+    """A batch's bitmask being filled (`BitmaskFiller.start`): `result()` waits for it."""
+
+    def __init__(self, future: Future, rows: list[int], batch: int, select: list[int] | None = None):
+        self._future, self._select = future, select
+        self.rows, self.batch = rows, batch  # the rows with a grammar, of `batch`
+
+    def result(self) -> torch.Tensor:
+        mask = self._future.result()
+        return mask if self._select is None else mask[self._select]
+
+    def take(self, keep: list[int]) -> PendingFill | None:
+        """The fill of the rows `keep` only, in that order; None when none of them has a grammar."""
+        if keep == list(range(self.batch)):
+            return self
+        has = set(self.rows)
+        rows = [j for j, i in enumerate(keep) if i in has]
+        select = keep if self._select is None else [self._select[i] for i in keep]
+        return PendingFill(self._future, rows, len(keep), select) if rows else None
 
 
 # ---- over a scheduler's queue (requests with a `grammar` attribute) -----------------------------
