@@ -302,6 +302,9 @@ class PendingFill:
         self._future, self._select = future, select
         self.rows, self.batch = rows, batch  # the rows with a grammar, of `batch`
 
+    def done(self) -> bool:
+        return self._future.done()
+
     def result(self) -> torch.Tensor:
         mask = self._future.result()
         return mask if self._select is None else mask[self._select]

@@ -39,10 +39,10 @@ a step's results are applied one `step()` later:
   retraction) therefore costs one sync.
 - `abort` of a request in the launched step applies that step first.
 
-A step whose requests have grammars queues its sampling only at the start of the next `step()`
-(`PendingStep.launch`), after that step is planned: the bitmask is filled on another thread while
-the pass runs and the host applies the results before it, delivers outputs and plans the next
-step. A continuation's bitmask starts filling as soon as the matchers have accepted step t's
+A step whose requests have grammars queues its sampling once its bitmask is filled (on another
+thread, while the pass runs and the host applies the results before it, delivers outputs and
+plans the next step): at its launch when the fill is done by then, else at the start of the next
+`step()` (`PendingStep.launch`), after that step is planned. A continuation's bitmask starts filling as soon as the matchers have accepted step t's
 tokens (`Scheduler.process_result`'s `accepted`), before the requests' results (stop checks,
 outputs) are applied; a request that finished at step t leaves its row out when the continuation
 samples. With jump-forward on, which advances matchers while the results are applied, it starts

@@ -127,10 +127,11 @@ class ModelRunner:
     def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None,
                fill: PendingFill | None = None) -> PendingStep:
         """The sampling of `rows` (from `forward`); reads the requests' history on the host. Queued
-        at once, unless a row has a grammar: then the sampling is queued when the step's tokens
-        are first needed (`PendingStep.launch`), with the rows' bitmask (`fill`, from `fill`: of
-        these rows, in order; started here when not given), so that the host plans the next step
-        while the mask is filled. Until then the requests' tokens and matchers must stay as they are."""
+        at once, unless a row has a grammar whose bitmask (`fill`, from `fill`: of these rows, in
+        order; started here when not given) is still being filled: then the sampling is queued
+        when the step's tokens are first needed (`PendingStep.launch`), so that the host plans
+        the next step while the mask is filled. Until then the requests' tokens and matchers must
+        stay as they are."""
         if not rows:
             return PendingStep(len(plan.reqs), rows, None, plan.prompt_logprobs)
         reqs = [plan.reqs[i] for i in rows]
@@ -143,7 +144,7 @@ class ModelRunner:
                 return self.sampler.launch(*args, None if bitmask is None else bitmask.result())
 
         step = PendingStep(len(plan.reqs), rows, launch, plan.prompt_logprobs)
-        if bitmask is None:
+        if bitmask is None or bitmask.done():
             step.launch()
         return step
 
