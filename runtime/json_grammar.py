@@ -4,9 +4,8 @@ token masks for them are computed when the grammar compiles, not at every step.
 XGrammar writes a string of at most `n` characters as `"\\"" C{m, n} "\\""` (C: a character the
 string may hold). It keeps a bounded repetition's count in the matcher, so in such a string every
 token that could run past the bound, or close the string and go on, is checked against the stack
-each time a mask is filled: near the bound that is most of the vocabulary (milliseconds per
-request and step). The same language, written as `m` copies of C and then rules that each know
-how many characters are left,
+each time a mask is filled: near the bound, most of the vocabulary. The same language, written
+as `m` copies of C and then rules that each know how many characters are left,
 
     C_close_k ::= "\\"" | C C_close_{k-1}        C_close_0 ::= "\\""
 

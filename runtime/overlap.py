@@ -42,11 +42,11 @@ a step's results are applied one `step()` later:
 A step whose requests have grammars queues its sampling once its bitmask is filled (on another
 thread, while the pass runs and the host applies the results before it, delivers outputs and
 plans the next step): at its launch when the fill is done by then, else at the start of the next
-`step()` (`PendingStep.launch`), after that step is planned. A continuation's bitmask starts filling as soon as the matchers have accepted step t's
-tokens (`Scheduler.process_result`'s `accepted`), before the requests' results (stop checks,
-outputs) are applied; a request that finished at step t leaves its row out when the continuation
-samples. With jump-forward on, which advances matchers while the results are applied, it starts
-once they are.
+`step()` (`PendingStep.launch`), after that step is planned. A continuation's bitmask starts
+filling as soon as the matchers have accepted step t's tokens (`Scheduler.process_result`'s
+`accepted`), before the requests' results (stop checks, outputs) are applied; a request that
+finished at step t leaves its row out when the continuation samples. With jump-forward on, which
+advances matchers while the results are applied, it starts once they are.
 
 Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
 penalties (`torch.unique`), and a decode batch too large for the CUDA graphs (correct, less overlap).
