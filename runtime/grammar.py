@@ -262,22 +262,24 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     return _fill([grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
 
 
-def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
+def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     if not hasattr(_fillers, "matcher"):
         import xgrammar as xgr
 
         _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
-    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
     _fillers.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
     return mask
 
 
 class BitmaskFiller:
-    """`fill_bitmask` on a background thread. The caller must not advance or roll back the
-    matchers of a fill until it has its result."""
+    """`fill_bitmask` on a background thread; for a CUDA `device`, into pinned memory (its copy to
+    the device is not staged). The caller must not advance or roll back the matchers of a fill
+    until it has its result."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self._pool: ThreadPoolExecutor | None = None
+        self._device = device if device is not None and device.type == "cuda" else None
 
     def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> PendingFill | None:
         """`fill_bitmask(grammars, vocab_size)` under way (a finished grammar's row allows every
@@ -286,8 +288,12 @@ class BitmaskFiller:
         if not rows:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask")
-        future = self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+            index = None if self._device is None else self._device.index  # the thread's current device
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask",
+                                            initializer=None if index is None else torch.cuda.set_device,
+                                            initargs=() if index is None else (index,))
+        future = self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size,
+                                   self._device is not None)
         return PendingFill(future, rows, len(grammars))
 
     def close(self) -> None:

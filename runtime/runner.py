@@ -28,7 +28,7 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.sampler = Sampler()
-        self.bitmasks = BitmaskFiller()
+        self.bitmasks = BitmaskFiller(device)
         self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
 
     def _capture(self, max_batch: int):
