@@ -21,8 +21,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MAX_UNROLLED = 128  # the longest maxLength written out as rules
-# a bounded repetition of a rule followed by a closing quote, as XGrammar prints its grammars
-_BOUNDED_STRING = re.compile(r'\b(\w+)\{(\d+), (\d+)\} "\\""')
+# as XGrammar prints its grammars: a quoted literal, a character class (both kept whole, so that
+# nothing inside them matches), or a bounded repetition of a rule followed by a closing quote
+_BOUNDED_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\b(\w+)\{(\d+), (\d+)\} "\\""')
 
 
 def json_schema_grammar(schema: str, max_whitespace: int) -> Any:
@@ -50,6 +51,8 @@ def unroll_bounded_strings(ebnf: str) -> str:
     rules: dict[str, str] = {}
 
     def unroll(m: re.Match) -> str:
+        if m.group(1) is None:  # a literal or a class
+            return m.group(0)
         name, low, high = m.group(1), int(m.group(2)), int(m.group(3))
         if name not in defined or not low <= high <= MAX_UNROLLED:
             return m.group(0)
