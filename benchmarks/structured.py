@@ -12,7 +12,9 @@ unconstrained run ignores EOS. After a warm-up (which also compiles the schema) 
 alternate `--repeats` times; the best time of each counts. Prints both rates and constrained / unconstrained
 (target: >= 0.90), and appends a JSON line to `--out` (the machine: the GPU's name on a device; the
 commit: `--commit`, else git's HEAD, else "unknown"). `--profile` also prints, for each timed run,
-the scheduler thread's seconds in the parts of a step (wrappers around the calls named).
+the milliseconds per step in the parts of a step (wrappers around the calls: `StepProfile.PARTS`
+says what each times; they nest: `launch` holds `fill wait` and `sampler`, `wait` a `launch`,
+`process` the `accept`; `fill` runs on a thread of its own, beside the scheduler's).
 
 `--compare-jump-forward` adds a second engine with `disable_jump_forward` and a third run, the
 same constrained requests there (alternating with the other two), and prints the constrained rate
@@ -64,20 +66,33 @@ def with_default_tokenizer(config: str, folder: Path, tokenizer: str | None) -> 
 
 
 class StepProfile:
-    """Seconds and calls of the scheduler thread in the parts of a step, by wrapping them."""
+    """Seconds and calls of the parts of a step, by wrapping them: the scheduler thread's, but for
+    `fill` (the bitmask filler's thread, beside it)."""
+
+    PARTS = {  # name: (owner, attribute, what it times)
+        "step": ("scheduler.Scheduler", "step", "Scheduler.step, all of it"),
+        "plan": ("scheduler.Scheduler", "continue_decode", "planning a continuation"),
+        "forward": ("runner.ModelRunner", "forward", "queuing a forward pass"),
+        "launch": ("runner.PendingStep", "launch", "queuing a step's sampling, its fill wait included"),
+        "fill wait": ("grammar.PendingFill", "result", "waiting for a bitmask"),
+        "sampler": ("runner.Sampler", "launch", "queuing the sampling (mask applied)"),
+        "wait": ("runner.PendingStep", "result", "waiting for a step's tokens (its launch included)"),
+        "process": ("scheduler.Scheduler", "process_result", "applying a step's results"),
+        "accept": ("grammar.GrammarCompiler", "accept", "the matchers' batch accept (in process)"),
+        "sample": ("runner.ModelRunner", "sample", "preparing a step's sampling"),
+        "fill": ("grammar", "_fill", "filling a bitmask, on the filler's thread"),
+    }
 
     def __init__(self):
         from hicache.runtime import grammar, runner, scheduler
 
+        rooms = {"grammar": grammar, "runner": runner, "scheduler": scheduler}
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        parts = {"step": (scheduler.Scheduler, "step"), "forward": (runner.ModelRunner, "forward"),
-                 "sample": (runner.ModelRunner, "sample"), "fill": (grammar, "_fill"),
-                 "sampler": (runner.Sampler, "launch"), "wait": (runner.PendingStep, "result"),
-                 "process": (scheduler.Scheduler, "process_result"), "accept": (grammar.RequestGrammar, "accept"),
-                 "launch": (runner.PendingStep, "launch"), "plan": (scheduler.Scheduler, "continue_decode")}
-        for name, (owner, attr) in parts.items():
-            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+        for name, (owner, attr, _) in self.PARTS.items():
+            room, _, cls = owner.partition(".")
+            target = getattr(rooms[room], cls) if cls else rooms[room]
+            setattr(target, attr, self._wrap(name, getattr(target, attr)))
 
     def _wrap(self, name: str, fn):
         def timed_call(*args, **kwargs):
@@ -89,12 +104,15 @@ class StepProfile:
                 self.calls[name] += 1
         return timed_call
 
-    def report(self, run: str) -> str:
-        """One line: each part's seconds (and calls), then reset."""
-        line = f"{run}: " + ", ".join(f"{k} {v:.3f} s ({self.calls[k]})" for k, v in self.seconds.items())
+    def report(self, run: str, wall: float = 0.0) -> str:
+        """One line: each part's milliseconds per step (and calls in the run), the time outside
+        `Scheduler.step` (the engine delivering outputs, taking requests), then reset."""
+        steps = max(1, self.calls["step"])
+        parts = [f"{k} {v / steps * 1e3:.2f} ({self.calls[k]})" for k, v in self.seconds.items()]
+        outside = f", outside step {(wall - self.seconds['step']) / steps * 1e3:.2f}" if wall else ""
         self.seconds.clear()
         self.calls.clear()
-        return line
+        return f"{run}, ms per step (calls): " + ", ".join(parts) + outside
 
 
 def timed(prompts: list[list[int]], runs: dict[str, tuple[Engine, dict]], repeats: int,
@@ -113,7 +131,7 @@ def timed(prompts: list[list[int]], runs: dict[str, tuple[Engine, dict]], repeat
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             took = time.perf_counter() - t0
             if profile is not None:
-                print(f"{took:.3f} s, {profile.report(name)}")
+                print(f"{took:.3f} s, {profile.report(name, took)}")
             best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs),
                           engine.get_stats()["forward_steps"] - steps)
     return best

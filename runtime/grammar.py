@@ -17,10 +17,15 @@
   JSON schema over a large vocabulary costs a fraction of a millisecond, too much to fill a large
   batch's rows one after another inside a decode step. `BitmaskFiller` (the model runner's) runs it
   on a thread of its own (XGrammar's C++ releases the GIL), so that the scheduler thread goes on
-  meanwhile: the runner starts the fill after the forward pass is queued and queues the sampling
-  only when the next step needs it (`runtime/runner.py: PendingStep`), so that the fill overlaps
-  the pass on the device and the planning of the next step on the host. `runtime/constraint.py`
-  applies the mask to the logits in the sampler, outside any CUDA graph.
+  meanwhile: the runner starts the fill before the forward pass is queued (with overlap
+  scheduling, a continuation's as soon as the matchers have accepted the previous step's tokens:
+  `runtime/overlap.py`) and queues the sampling only when the next step needs it
+  (`runtime/runner.py: PendingStep`), so that the fill overlaps the pass on the device and the
+  host's results, outputs and planning. `runtime/constraint.py` applies the mask to the logits in
+  the sampler, outside any CUDA graph.
+- JSON schemas compile through `runtime/json_grammar.py`, which writes their length-bounded
+  strings so that XGrammar precomputes their masks (a fill of such a string otherwise checks most
+  of the vocabulary at run time).
 
 Stop tokens (the model's EOS ids) are allowed only where the grammar may end; a matcher that has
 accepted one is terminated, and the request finishes (`runtime/stop.py`).
@@ -36,6 +41,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import torch
+
+from hicache.runtime.json_grammar import json_schema_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +140,7 @@ class GrammarCompiler:
                                                           stop_token_ids=self._stops)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         if kind == "json_schema":
-            return self._compiler.compile_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return self._compiler.compile_grammar(json_schema_grammar(text, MAX_JSON_WHITESPACE))
         if kind == "structural_tag":
             return self._compiler.compile_structural_tag(*structural_tag_args(text))
         compile_fn = {"regex": self._compiler.compile_regex, "ebnf": self._compiler.compile_grammar}[kind]
@@ -255,35 +262,67 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     return _fill([grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
 
 
-def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int) -> torch.Tensor:
+def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     if not hasattr(_fillers, "matcher"):
         import xgrammar as xgr
 
         _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
-    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
     _fillers.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
     return mask
 
 
 class BitmaskFiller:
-    """`fill_bitmask` on a background thread. The caller must not advance or roll back the
-    matchers of a fill until it has its result."""
+    """`fill_bitmask` on a background thread; for a CUDA `device`, into pinned memory (its copy to
+    the device is not staged). The caller must not advance or roll back the matchers of a fill
+    until it has its result."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self._pool: ThreadPoolExecutor | None = None
+        self._device = device if device is not None and device.type == "cuda" else None
 
-    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> Future | None:
-        """A future of `fill_bitmask(grammars, vocab_size)`; None when no row has a grammar."""
-        rows = [i for i, g in enumerate(grammars) if g is not None]
+    def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> PendingFill | None:
+        """`fill_bitmask(grammars, vocab_size)` under way (a finished grammar's row allows every
+        token); None when no row has a grammar still going."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.finished]
         if not rows:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask")
-        return self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+            index = None if self._device is None else self._device.index  # the thread's current device
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask",
+                                            initializer=None if index is None else torch.cuda.set_device,
+                                            initargs=() if index is None else (index,))
+        future = self._pool.submit(_fill, [grammars[i].matcher for i in rows], rows, len(grammars), vocab_size,
+                                   self._device is not None)
+        return PendingFill(future, rows, len(grammars))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class PendingFill:
+    """A batch's bitmask being filled (`BitmaskFiller.start`): `result()` waits for it."""
+
+    def __init__(self, future: Future, rows: list[int], batch: int, select: list[int] | None = None):
+        self._future, self._select = future, select
+        self.rows, self.batch = rows, batch  # the rows with a grammar, of `batch`
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> torch.Tensor:
+        mask = self._future.result()
+        return mask if self._select is None else mask[self._select]
+
+    def take(self, keep: list[int]) -> PendingFill | None:
+        """The fill of the rows `keep` only, in that order; None when none of them has a grammar."""
+        if keep == list(range(self.batch)):
+            return self
+        has = set(self.rows)
+        rows = [j for j, i in enumerate(keep) if i in has]
+        select = keep if self._select is None else [self._select[i] for i in keep]
+        return PendingFill(self._future, rows, len(keep), select) if rows else None
 
 
 # ---- over a scheduler's queue (requests with a `grammar` attribute) -----------------------------

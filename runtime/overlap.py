@@ -39,9 +39,14 @@ a step's results are applied one `step()` later:
   retraction) therefore costs one sync.
 - `abort` of a request in the launched step applies that step first.
 
-A step whose requests have grammars queues its sampling only at the start of the next `step()`
-(`PendingStep.launch`), after that step is planned: the bitmask is filled on another thread while
-the pass runs and the host delivers the step's outputs and plans the next one.
+A step whose requests have grammars queues its sampling once its bitmask is filled (on another
+thread, while the pass runs and the host applies the results before it, delivers outputs and
+plans the next step): at its launch when the fill is done by then, else at the start of the next
+`step()` (`PendingStep.launch`), after that step is planned. A continuation's bitmask starts
+filling as soon as the matchers have accepted step t's tokens (`Scheduler.process_result`'s
+`accepted`), before the requests' results (stop checks, outputs) are applied; a request that
+finished at step t leaves its row out when the continuation samples. With jump-forward on, which
+advances matchers while the results are applied, it starts once they are.
 
 Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
 penalties (`torch.unique`), and a decode batch too large for the CUDA graphs (correct, less overlap).
@@ -53,6 +58,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hicache.runtime.batch import BatchPlan
+from hicache.runtime.grammar import PendingFill
 from hicache.runtime.pinned import tensor_to
 from hicache.runtime.runner import PendingStep
 
@@ -79,6 +85,7 @@ class OverlapLoop:
         self._blocked_at: int | None = None  # queue_version when schedule() last left requests waiting
         self.continued = 0  # decode steps launched before the previous one was applied
         self.ahead = 0  # prefill steps launched before the previous one was applied
+        self.filled_early = 0  # continuations whose bitmask began filling before prev's results were applied
 
     def step(self) -> None:
         prev, self.inflight = self.inflight, None
@@ -98,16 +105,18 @@ class OverlapLoop:
             self.ahead += 1
             fence = s.runner.fence()
             rows, logits = s.runner.forward(plan)
+        fill = None
         if prev is not None:  # the backups of prev's results follow prev, not the step queued after it
-            with s.cache.ordered_after(fence if cont is not None or ahead is not None else None):
-                s.process_result(prev.plan, prev.step.result())
+            fill = self._apply(prev, plan if cont is not None else None,
+                               fence if cont is not None or ahead is not None else None)
         if cont is not None:
-            plan, rows, logits = self._still_running(plan, logits)
+            plan, rows, logits, picked = self._still_running(plan, logits)
+            fill = fill and fill.take(picked)
         elif ahead is not None:
             self._blocked_at = None
         if cont is not None or ahead is not None:  # sampled once the host has step t's results
             if plan.reqs:
-                self.inflight = Launched(plan, s.runner.sample(plan, rows, logits), fence, releases)
+                self.inflight = Launched(plan, s.runner.sample(plan, rows, logits, fill), fence, releases)
             return
         self._drain(prev)
 
@@ -154,20 +163,38 @@ class OverlapLoop:
         s = self.sched
         return self._blocked_at == s.queue_version and not s.cache.prefetches_waiting() and not s.grammars_compiling()
 
-    def _still_running(self, plan: BatchPlan, logits: torch.Tensor) -> tuple[BatchPlan, list[int], torch.Tensor]:
+    def _apply(self, prev: Launched, cont: BatchPlan | None, fence: torch.cuda.Event | None) -> PendingFill | None:
+        """Applies prev's results (their backups ordered after `fence`). With a continuation `cont`
+        and no jump-forward (which advances matchers while the results are applied), cont's
+        bitmask starts filling as soon as the matchers have accepted prev's tokens: returned."""
+        s = self.sched
+        early: list[PendingFill | None] = []
+        accepted = None
+        if cont is not None and not s.jump.enabled:
+            def accepted() -> None:
+                early.append(s.runner.fill(cont.reqs, cont.sample))
+        with s.cache.ordered_after(fence):
+            s.process_result(prev.plan, prev.step.result(), accepted)
+        fill = early[0] if early else None
+        self.filled_early += fill is not None
+        return fill
+
+    def _still_running(self, plan: BatchPlan, logits: torch.Tensor
+                       ) -> tuple[BatchPlan, list[int], torch.Tensor, list[int]]:
         """The continuation less the requests that finished at the step before it, the rows that
-        sample and their logits. A request that jumped forward at that step (its grammar forced
-        tokens after its token) does not sample: the position computed is its token's, and what
-        follows is the forced run."""
+        sample, their logits and their positions in `plan`. A request that jumped forward at that
+        step (its grammar forced tokens after its token) does not sample: the position computed is
+        its token's, and what follows is the forced run."""
         running = {id(r) for r in self.sched.running}
         alive = [i for i, r in enumerate(plan.reqs) if id(r) in running]
         sample = [plan.starts[i] + 1 == plan.reqs[i].seq_len for i in alive]
         if len(alive) == len(plan.reqs) and all(sample):
-            return plan, list(range(len(alive))), logits
+            return plan, list(range(len(alive))), logits, alive
         kept = BatchPlan("decode", [], [], [], [])
         for i, s in zip(alive, sample):
             kept.add(plan.reqs[i], plan.starts[i], 1, s)
-        return kept, [j for j, s in enumerate(sample) if s], _gather(logits, [i for i, s in zip(alive, sample) if s])
+        picked = [i for i, s in zip(alive, sample) if s]
+        return kept, [j for j, s in enumerate(sample) if s], _gather(logits, picked), picked
 
     # ---- a prefill step launched ahead ------------------------------------------------------
 

@@ -12,7 +12,7 @@ import torch
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
-from hicache.runtime.grammar import BitmaskFiller
+from hicache.runtime.grammar import BitmaskFiller, PendingFill
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -28,7 +28,7 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.sampler = Sampler()
-        self.bitmasks = BitmaskFiller()
+        self.bitmasks = BitmaskFiller(device)
         self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
 
     def _capture(self, max_batch: int):
@@ -44,9 +44,18 @@ class ModelRunner:
         return self.launch(plan).result()
 
     def launch(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> PendingStep:
-        """Queues the forward pass and the sampling; the tokens reach the host in `result()`."""
+        """Queues the forward pass and the sampling; the tokens reach the host in `result()`. The
+        bitmask of the rows with a grammar is filled meanwhile (`fill`)."""
+        fill = self.fill(plan.reqs, plan.sample)
         rows, logits = self.forward(plan, input_ids)
-        return self.sample(plan, rows, logits)
+        return self.sample(plan, rows, logits, fill)
+
+    def fill(self, reqs: list, sample: list[bool]) -> PendingFill | None:
+        """Starts filling, on the filler's thread, the bitmask of those of `reqs` that sample (their
+        matchers have accepted every token appended so far; they must stay as they are until the
+        step has sampled). None when none of them has a grammar."""
+        grammars = [r.grammar for r, s in zip(reqs, sample) if s]
+        return self.bitmasks.start(grammars, self.model.config.vocab_size) if any(grammars) else None
 
     def fence(self) -> torch.cuda.Event | None:
         """An event after the device work queued so far (None off CUDA, where work is not queued)."""
@@ -115,17 +124,18 @@ class ModelRunner:
         ids_dev = input_ids if input_ids is not None else meta[4 * n + total:]
         return ids_dev, meta[4 * n:4 * n + total], batch
 
-    def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None) -> PendingStep:
-        """The sampling of `rows` (from `forward`); reads the requests' history and grammar matchers
-        on the host (the matchers have accepted every token appended so far). Queued at once,
-        unless a row has a grammar: then its bitmask is filled on the filler's thread, and the
-        sampling is queued when the step's tokens are first needed (`PendingStep.launch`), so that
-        the host plans the next step while the mask is filled. Until then the requests' tokens
-        and matchers must stay as they are."""
+    def sample(self, plan: BatchPlan, rows: list[int], logits: torch.Tensor | None,
+               fill: PendingFill | None = None) -> PendingStep:
+        """The sampling of `rows` (from `forward`); reads the requests' history on the host. Queued
+        at once, unless a row has a grammar whose bitmask (`fill`, from `fill`: of these rows, in
+        order; started here when not given) is still being filled: then the sampling is queued
+        when the step's tokens are first needed (`PendingStep.launch`), so that the host plans
+        the next step while the mask is filled. Until then the requests' tokens and matchers must
+        stay as they are."""
         if not rows:
             return PendingStep(len(plan.reqs), rows, None, plan.prompt_logprobs)
         reqs = [plan.reqs[i] for i in rows]
-        bitmask = self.bitmasks.start([r.grammar for r in reqs], logits.shape[1])  # while the pass runs
+        bitmask = fill or self.fill(reqs, [True] * len(reqs))
         args = (logits, [r.params for r in reqs], [r.generator for r in reqs], [r.input_ids for r in reqs],
                 [r.output_ids for r in reqs], [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
 
@@ -134,7 +144,7 @@ class ModelRunner:
                 return self.sampler.launch(*args, None if bitmask is None else bitmask.result())
 
         step = PendingStep(len(plan.reqs), rows, launch, plan.prompt_logprobs)
-        if bitmask is None:
+        if bitmask is None or bitmask.done():
             step.launch()
         return step
 

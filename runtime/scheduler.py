@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Callable
 
 from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
@@ -383,7 +384,9 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------
 
-    def process_result(self, plan: BatchPlan, out: StepOutput) -> None:
+    def process_result(self, plan: BatchPlan, out: StepOutput, accepted: Callable[[], None] | None = None) -> None:
+        """Applies a step's results. `accepted` is called once the grammars' matchers have accepted
+        the step's tokens, before the requests' results (stop checks, jump-forward, outputs)."""
         dropped = self._settle_loads(plan) if plan.loads is not None else ()
         if plan.mode == "extend" and all(r.cache_kv for r in plan.reqs):  # not the warm-up (it compiles kernels)
             # the prefill rate that loads from L2 and L3 are weighed against
@@ -391,6 +394,8 @@ class Scheduler:
         self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
                               if req.grammar is not None and out.next_ids[i] is not None
                               and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
+        if accepted is not None:
+            accepted()
         self.counters["forward_steps"] += 1
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later

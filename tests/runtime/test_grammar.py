@@ -59,6 +59,18 @@ def test_schema_regex_ebnf_batch_with_overlap(engine):
     assert overlap.continued > before  # decode steps sampled with the mask while the next was planned
 
 
+def test_without_jump_forward_the_mask_is_filled_as_soon_as_tokens_are_accepted(engine, monkeypatch):
+    """Overlap scheduling without jump-forward: a continuation's bitmask starts filling once the
+    matchers have accepted the previous step's tokens, before that step's results are applied;
+    requests ending at different steps leave the continuation the rows of those still running."""
+    monkeypatch.setattr(engine.scheduler.jump, "enabled", False)
+    overlap = engine.scheduler.overlap
+    before = overlap.filled_early
+    prompts, params, cases = _batch(SCHEMAS[3:6], REGEXES[1:2], EBNFS[1:2], 40, temperature=0)
+    _check(cases, engine.generate(prompts, sampling_params=params))
+    assert overlap.filled_early > before
+
+
 def test_sampled_outputs_follow_the_grammar_across_retractions(engine):
     retracted = engine.get_stats()["retractions"]
     regex = r"(ab|cd)( (ab|cd)){14}"
