@@ -165,16 +165,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False) -> None:
+def repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False,
+           quantized: bool = False) -> None:
     """Restores `module`'s packed weights, then, with `kernels`, packs `names` into
-    `module.packs` (each parameter's data emptied unless `keep`)."""
+    `module.packs` (each parameter's data emptied unless `keep`); with `quantized`, each also in
+    the GGUF blocks that hold its values exactly, where there are such (`kernels.pack_linear`)."""
     for name, packed in module.packs.items():
         if getattr(module, name).numel() == 0:
-            getattr(module, name).data = packed.to_dense()
+            getattr(module, name).data = packed.dense.to_dense()
     module.packs = {}
     for name in names if kernels is not None else ():
         weight = getattr(module, name)
-        packed = kernels.pack_linear(weight)
+        packed = kernels.pack_linear(weight, quantized)
         if packed is not None:
             module.packs[name] = packed
             if not keep:

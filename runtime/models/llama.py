@@ -181,21 +181,24 @@ class LlamaForCausalLM(nn.Module):
             full, index(tp, self.vocab), dtype, device)
         self.packs: dict[str, torch.Tensor] = {}  # use_cpu_kernels: the prepacked lm_head
 
-    def use_cpu_kernels(self, on: bool = True) -> bool:
+    def use_cpu_kernels(self, on: bool = True, quantized: bool = True) -> bool:
         """Runs the layers' RMSNorm, RoPE and SiLU-mul on the compiled CPU kernels
         (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now, or, with
         `on` False, back on torch ops. Only a CPU model of float32 or bfloat16 turns them on, and
         only where the kernels build; returns whether they are on. A packed weight replaces its
         parameter's data (left empty, restored when turned off), but for a tied lm_head, which the
-        embedding still reads. Call it once the weights are final: `load_weights` turns it off."""
+        embedding still reads. With `quantized`, linears of few rows (decode) read the weights
+        from GGUF blocks that hold them exactly (float32 weights dequantised from Q4_1 or Q8_0
+        tensors), several times fewer bytes. Call it once the weights are final: `load_weights`
+        turns it off."""
         kernels = cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 module.cpu = kernels
             if hasattr(module, "LINEARS"):
-                repack(module, module.LINEARS, kernels)
-        repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
+                repack(module, module.LINEARS, kernels, quantized=quantized)
+        repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings, quantized=quantized)
         return kernels is not None
 
     @torch.inference_mode()
