@@ -61,7 +61,8 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), compiler, version, *FLAGS, _cpu_flags()]).encode())
+    parts = [*(source.read_text() for source in SOURCES), compiler, version, *FLAGS, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode())
     target = cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -226,7 +227,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-QUANT_KINDS = {"q4_1": (0, 20), "q8_0": (1, 34)}  # GGUF block type -> (kernel code, bytes per 32 weights)
+QUANT_KINDS = {"q4_1": (0, 24), "q8_0": (1, 36)}  # block type -> (kernel code, bytes per 32 weights)
 QUANT_MAX_ROWS = 8  # linears of up to this many rows read the blocks; larger ones run oneDNN
 
 

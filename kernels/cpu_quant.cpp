@@ -1,5 +1,6 @@
-// Linears on weights held in GGUF's blocks of 32 (Q4_1: value = d * q + m, q in 0..15; Q8_0:
-// value = d * q, q in -128..127; d and m float16), compiled with cpu_ops.cpp into one library
+// Linears on weights held in blocks of 32 as in GGUF's Q4_1 (value = d * q + m, q in 0..15) and
+// Q8_0 (value = d * q, q in -128..127), whose d and m are float16 values, kept here as float32 so
+// that the kernel broadcasts them straight from memory. Compiled with cpu_ops.cpp into one library
 // (see kernels/cpu.py). `hc_quantize` encodes float32 weights in such blocks only where every
 // block reproduces its 32 values exactly (weights dequantised from a GGUF file do), so
 // `hc_linear_quant` multiplies by exactly the weights a float32 linear would: the outputs differ
@@ -19,10 +20,13 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 constexpr int QK = 32;  // weights of one block
+#ifndef PREFETCH
+#define PREFETCH 8192
+#endif
 
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[QK / 2]; };  // qs[i]: q[i] low nibble, q[i + 16] high
-struct BlockQ8_0 { uint16_t d; int8_t qs[QK]; };
-static_assert(sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "GGUF block sizes");
+struct BlockQ4_1 { float d, m; uint8_t qs[QK / 2]; };  // qs[i]: q[i] low nibble, q[i + 16] high
+struct BlockQ8_0 { float d; int8_t qs[QK]; };
+static_assert(sizeof(BlockQ4_1) == 24 && sizeof(BlockQ8_0) == 36, "block sizes (kernels/cpu.py QUANT_KINDS)");
 
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -78,14 +82,28 @@ inline v16i widen(const void* p) {
 
 // The two halves (weights 0-15, 16-31) of a block as float32, as the GGUF dequantiser computes them.
 inline void decode(const BlockQ4_1& b, v16& lo, v16& hi) {
-    const float d = half_to_float(b.d), m = half_to_float(b.m);
+    const float d = b.d, m = b.m;
     const v16i q = widen<false>(b.qs);
+#if defined(__AVX512F__)
+    // the block's 16 possible values, looked up by nibble (the permutation reads an index's low 4 bits)
+    const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 table = iota * d + m;
+    __m512 t, l, h;
+    __m512i qi;
+    std::memcpy(&t, &table, 64);
+    std::memcpy(&qi, &q, 64);
+    l = _mm512_permutexvar_ps(qi, t);
+    h = _mm512_permutexvar_ps(_mm512_srli_epi32(qi, 4), t);
+    std::memcpy(&lo, &l, 64);
+    std::memcpy(&hi, &h, 64);
+#else
     lo = __builtin_convertvector(q & 15, v16) * d + m;
     hi = __builtin_convertvector(q >> 4, v16) * d + m;
+#endif
 }
 
 inline void decode(const BlockQ8_0& b, v16& lo, v16& hi) {
-    const float d = half_to_float(b.d);
+    const float d = b.d;
     lo = __builtin_convertvector(widen<true>(b.qs), v16) * d;
     hi = __builtin_convertvector(widen<true>(b.qs + 16), v16) * d;
 }
@@ -117,8 +135,8 @@ bool encode(const float* w, BlockQ4_1& out) {
             else out.qs[i - QK / 2] |= uint8_t(q << 4);
         }
         if (ok) {
-            out.d = uint16_t(hd);
-            out.m = uint16_t(hm);
+            out.d = d;
+            out.m = mn;
             return true;
         }
     }
@@ -138,7 +156,7 @@ bool encode(const float* w, BlockQ8_0& out) {
             out.qs[i] = int8_t(q);
         }
         if (ok) {
-            out.d = uint16_t(hd);
+            out.d = d;
             return true;
         }
     }
@@ -163,6 +181,7 @@ void rows_tile(const B* w, i64 nb, const float* x, i64 k, float* out, i64 n, i64
     for (i64 b = 0; b < nb; ++b) {
         for (int r = 0; r < R; ++r) {
             v16 lo, hi;
+            __builtin_prefetch(reinterpret_cast<const char*>(&w[(n0 + r) * nb + b]) + PREFETCH);
             decode(w[(n0 + r) * nb + b], lo, hi);
             for (int t = 0; t < MT; ++t) {
                 acc[r][t][0] += lo * load16(x + t * k + b * QK);
