@@ -206,11 +206,16 @@ void rows(const B* w, i64 nb, const float* x, i64 k, float* out, i64 n, i64 n0) 
 }
 
 constexpr i64 GROUP = 4;  // weight rows of one task
+// Below this many multiply-adds a call runs on one thread: it takes less than waking a sleeping
+// team (the server's pool waits passively) would save.
+#ifndef SERIAL_WORK
+#define SERIAL_WORK (i64(1) << 40)
+#endif
 
 template <typename B>
 void linear(const float* x, const B* w, float* out, i64 m, i64 n, i64 k, int nthreads) {
     const i64 nb = k / QK, groups = (n + GROUP - 1) / GROUP;
-    #pragma omp parallel for num_threads(n * k < (1 << 15) ? 1 : nthreads) schedule(static)
+    #pragma omp parallel for num_threads(m * n * k < SERIAL_WORK ? 1 : nthreads) schedule(static)
     for (i64 g = 0; g < groups; ++g) {
         const i64 n0 = g * GROUP;
         i64 t = 0;
