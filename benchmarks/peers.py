@@ -241,7 +241,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="default: 3, or 1 with --quick")
     p.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of llama.cpp's server")
-    p.add_argument("--hicache-args", default="", help="more flags of `hicache serve`, e.g. --hicache-args=--disable-cpu-kernels")
+    p.add_argument("--hicache-args", default="",
+                   help="more flags of `hicache serve`, e.g. --hicache-args=--disable-cpu-kernels")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-file", default=str(multiturn.RESULTS / "peers.jsonl"), help="JSON line appended here")
     args = p.parse_args(argv)

@@ -1,15 +1,16 @@
 """CPU kernels of the decoder layer: paged attention that reads the KV pool in place, RMSNorm
-(alone or after the residual add), RoPE, SiLU-and-multiply, and oneDNN linears on prepacked
-weights.
+(alone or after the residual add), RoPE, SiLU-and-multiply, oneDNN linears on prepacked
+weights, and linears of few rows on weights held exactly in GGUF's Q4_1 or Q8_0 blocks.
 
-The C++ source (`cpu_ops.cpp`, no torch headers) is compiled at first use with the machine's C++
-compiler (`-O3 -march=native -fopenmp`) into the user's cache folder, keyed by the source, the
+The C++ sources (`cpu_ops.cpp`, `cpu_quant.cpp`, no torch headers) are compiled at first use with the machine's C++
+compiler (`-O3 -march=native -fopenmp`) into the user's cache folder, keyed by the sources, the
 compiler and the CPU's flags, and loaded with ctypes. Where no compiler exists or the build fails,
 `library()` logs one warning and returns None: callers keep their torch paths. Each call runs an
 OpenMP team of torch's thread count, in torch's own libgomp (one pool for both).
 
-Tensors are CPU tensors of float32 or bfloat16 (`supports`); every launcher checks shapes, dtypes
-and contiguity and raises ValueError naming the argument, since the C++ side trusts its pointers.
+Tensors are CPU tensors of float32 or bfloat16 (`supports`; the block linears float32 only);
+every launcher checks shapes, dtypes and contiguity and raises ValueError naming the argument,
+since the C++ side trusts its pointers.
 """
 from __future__ import annotations
 

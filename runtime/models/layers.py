@@ -1,6 +1,7 @@
 """The layers' building blocks shared by the model families: linear (with the few-row Triton kernel
-on CUDA and oneDNN on prepacked weights on CPU), RMSNorm, RoPE (default, linear, llama3, GGUF freq
-factors), and the packing of weights for the compiled CPU kernels (`hicache.kernels.cpu`).
+on CUDA, and on CPU oneDNN on prepacked weights or, for few rows, the weights' GGUF blocks),
+RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), and the packing of weights for the
+compiled CPU kernels (`hicache.kernels.cpu`).
 
 Each block picks its path at run time: the Triton kernels on CUDA where triton is installed, the
 compiled CPU kernels once a model's `use_cpu_kernels` turned them on, else torch ops.
@@ -40,10 +41,11 @@ def cpu_kernels():
     return cpu if cpu.available() else None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T. With `packed` (w prepacked for oneDNN on CPU, `LlamaForCausalLM.use_cpu_kernels`)
-    through oneDNN; on CUDA, decode-sized batches go through the Triton few-row kernel where it
-    is the faster one (`hicache.kernels.linear.prefers`); everything else through F.linear."""
+def linear(x: torch.Tensor, w: torch.Tensor, packed: Any = None) -> torch.Tensor:
+    """x @ w.T. With `packed` (w prepacked on CPU, `LlamaForCausalLM.use_cpu_kernels`) through
+    oneDNN, or for few rows the weight's exact GGUF blocks where it has them; on CUDA,
+    decode-sized batches go through the Triton few-row kernel where it is the faster one
+    (`hicache.kernels.linear.prefers`); everything else through F.linear."""
     if packed is not None:
         return cpu_kernels().linear(x, packed)
     kernels = cuda_kernels() if x.is_cuda else None
