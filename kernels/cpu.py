@@ -266,9 +266,9 @@ def linear_quantized(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x [T, k] float32 @ weight.T -> [T, n] float32, reading the weight's blocks: float32 products
     and sums, so only their order differs from a float32 linear's."""
     n, k = weight.shape
-    _require(x.dim() == 2 and x.shape[1] == k, f"x must be [T, {k}], got {tuple(x.shape)}")
-    _check("x", x, torch.float32, contiguous=False)
-    x = x.contiguous()
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [T, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()  # checked inline: a decode step makes a hundred of these calls
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     if x.shape[0]:
         library().hc_linear_quant(QUANT_KINDS[weight.kind][0], x.data_ptr(), weight.blocks.data_ptr(), out.data_ptr(),
