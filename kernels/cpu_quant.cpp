@@ -219,6 +219,11 @@ void linear(const float* x, const B* w, float* out, i64 m, i64 n, i64 k, int nth
     for (i64 g = 0; g < groups; ++g) {
         const i64 n0 = g * GROUP;
         i64 t = 0;
+#if defined(__AVX512F__)  // 32 vector registers: 16 accumulators, each block decoded once for 8 rows of x
+        for (; t + 8 <= m; t += 8)
+            for (i64 r = n0; r < std::min(n, n0 + GROUP); ++r)
+                rows_tile<1, 8, B>(w, nb, x + t * k, k, out + t * n, n, r);
+#endif
         for (; t + 4 <= m; t += 4) {
             rows<2, 4, B>(w, nb, x + t * k, k, out + t * n, n, n0);
             rows<2, 4, B>(w, nb, x + t * k, k, out + t * n, n, n0 + 2);
