@@ -16,13 +16,18 @@
 namespace {
 
 typedef int64_t i64;
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+// One vector: 16 floats with AVX-512, else 8 (native on AVX2, where GCC splits wider vectors badly).
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 constexpr int QK = 32;  // weights of one block
-#ifndef PREFETCH
-#define PREFETCH 8192
-#endif
+constexpr int NV = QK / VW;  // vectors of one block
+constexpr i64 PREFETCH = 8192;  // bytes ahead of the weight stream: decode is bound by memory latency
 
 struct BlockQ4_1 { float d, m; uint8_t qs[QK / 2]; };  // qs[i]: q[i] low nibble, q[i + 16] high
 struct BlockQ8_0 { float d; int8_t qs[QK]; };
@@ -55,57 +60,54 @@ inline int half_near(float x) {
     return (x < 0 ? 0x8000 : 0) | mag;
 }
 
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 
-// 16 bytes widened to int32 lanes (zero- or sign-extended): one instruction with AVX-512 (two
-// with AVX2), where GCC's generic conversion would go byte by byte.
+// VW bytes widened to int32 lanes (zero- or sign-extended): one instruction with AVX-512 or AVX2,
+// where GCC's generic conversion would go byte by byte.
 template <bool SIGNED>
-inline v16i widen(const void* p) {
-    v16i v;
+inline vi widen(const void* p) {
+    vi v;
 #if defined(__AVX512F__)
     const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
     const __m512i w = SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-    std::memcpy(&v, &w, 64);
+    std::memcpy(&v, &w, sizeof v);
 #elif defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
-    const __m128i c = _mm_unpackhi_epi64(b, b);
-    const __m256i w0 = SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    const __m256i w1 = SIGNED ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
-    std::memcpy(&v, &w0, 32);
-    std::memcpy(reinterpret_cast<char*>(&v) + 32, &w1, 32);
+    const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    const __m256i w = SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    std::memcpy(&v, &w, sizeof v);
 #else
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < VW; ++i)
         v[i] = SIGNED ? int32_t(static_cast<const int8_t*>(p)[i]) : int32_t(static_cast<const uint8_t*>(p)[i]);
 #endif
     return v;
 }
 
-// The two halves (weights 0-15, 16-31) of a block as float32, as the GGUF dequantiser computes them.
-inline void decode(const BlockQ4_1& b, v16& lo, v16& hi) {
-    const float d = b.d, m = b.m;
-    const v16i q = widen<false>(b.qs);
+// A block's 32 weights as NV vectors of float32, as the GGUF dequantiser computes them.
+inline void decode(const BlockQ4_1& b, vf (&w)[NV]) {
 #if defined(__AVX512F__)
     // the block's 16 possible values, looked up by nibble (the permutation reads an index's low 4 bits)
-    const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 table = iota * d + m;
-    __m512 t, l, h;
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vf table = iota * b.d + b.m;
+    const vi q = widen<false>(b.qs);
+    __m512 t, lo, hi;
     __m512i qi;
     std::memcpy(&t, &table, 64);
     std::memcpy(&qi, &q, 64);
-    l = _mm512_permutexvar_ps(qi, t);
-    h = _mm512_permutexvar_ps(_mm512_srli_epi32(qi, 4), t);
-    std::memcpy(&lo, &l, 64);
-    std::memcpy(&hi, &h, 64);
+    lo = _mm512_permutexvar_ps(qi, t);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(qi, 4), t);
+    std::memcpy(&w[0], &lo, 64);
+    std::memcpy(&w[1], &hi, 64);
 #else
-    lo = __builtin_convertvector(q & 15, v16) * d + m;
-    hi = __builtin_convertvector(q >> 4, v16) * d + m;
+    for (int j = 0; j < NV / 2; ++j) {  // low nibbles: weights 0-15, high: 16-31
+        const vi q = widen<false>(b.qs + j * VW);
+        w[j] = __builtin_convertvector(q & 15, vf) * b.d + b.m;
+        w[j + NV / 2] = __builtin_convertvector(q >> 4, vf) * b.d + b.m;
+    }
 #endif
 }
 
-inline void decode(const BlockQ8_0& b, v16& lo, v16& hi) {
-    const float d = b.d;
-    lo = __builtin_convertvector(widen<true>(b.qs), v16) * d;
-    hi = __builtin_convertvector(widen<true>(b.qs + 16), v16) * d;
+inline void decode(const BlockQ8_0& b, vf (&w)[NV]) {
+    for (int j = 0; j < NV; ++j) w[j] = __builtin_convertvector(widen<true>(b.qs + j * VW), vf) * b.d;
 }
 
 inline bool finite_range(const float* w, float& lo, float& hi) {
@@ -174,43 +176,46 @@ bool quantize(const float* w, i64 n, i64 k, B* out, int nthreads) {
 }
 
 // out[t, n0 + r] for R weight rows from n0 and MT activation rows from x: each block decoded once
-// and used for every activation row; lo and hi halves summed apart (independent chains).
+// and used for every activation row; even and odd vectors summed apart (independent chains).
 template <int R, int MT, typename B>
 void rows_tile(const B* w, i64 nb, const float* x, i64 k, float* out, i64 n, i64 n0) {
-    v16 acc[R][MT][2] = {};
+    vf acc[R][MT][2] = {};
     for (i64 b = 0; b < nb; ++b) {
         for (int r = 0; r < R; ++r) {
-            v16 lo, hi;
+            vf wv[NV];
             __builtin_prefetch(reinterpret_cast<const char*>(&w[(n0 + r) * nb + b]) + PREFETCH);
-            decode(w[(n0 + r) * nb + b], lo, hi);
-            for (int t = 0; t < MT; ++t) {
-                acc[r][t][0] += lo * load16(x + t * k + b * QK);
-                acc[r][t][1] += hi * load16(x + t * k + b * QK + 16);
-            }
+            decode(w[(n0 + r) * nb + b], wv);
+            for (int t = 0; t < MT; ++t)
+                for (int j = 0; j < NV; ++j) acc[r][t][j & 1] += wv[j] * loadv(x + t * k + b * QK + j * VW);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < MT; ++t) {
-            const v16 s = acc[r][t][0] + acc[r][t][1];
+            const vf s = acc[r][t][0] + acc[r][t][1];
             float total = 0.0f;
-            for (int i = 0; i < 16; ++i) total += s[i];
+            for (int i = 0; i < VW; ++i) total += s[i];
             out[t * n + n0 + r] = total;
         }
 }
 
-template <int R, int MT, typename B>
-void rows(const B* w, i64 nb, const float* x, i64 k, float* out, i64 n, i64 n0) {
-    if (n0 + R <= n) rows_tile<R, MT, B>(w, nb, x, k, out, n, n0);
-    else
-        for (i64 r = n0; r < n; ++r) rows_tile<1, MT, B>(w, nb, x, k, out, n, r);
-}
+// Weight rows per tile for MT activation rows: what the vector registers hold (32 with AVX-512, else 16).
+constexpr int tile_rows(int mt) { return VW == 16 ? (mt <= 2 ? 4 : mt <= 4 ? 2 : 1) : (mt == 1 ? 4 : mt == 2 ? 2 : 1); }
 
 constexpr i64 GROUP = 4;  // weight rows of one task
 // Below this many multiply-adds a call runs on one thread: it takes less than waking a sleeping
 // team (the server's pool waits passively) would save.
-#ifndef SERIAL_WORK
-#define SERIAL_WORK (i64(1) << 40)
-#endif
+constexpr i64 SERIAL_WORK = i64(1) << 22;
+
+// The task's weight rows [n0, n0 + GROUP) against MT activation rows.
+template <int MT, typename B>
+void group(const B* w, i64 nb, const float* x, i64 k, float* out, i64 n, i64 n0) {
+    constexpr int R = tile_rows(MT);
+    for (i64 r = n0; r < std::min(n, n0 + GROUP); r += R) {
+        if (r + R <= n) rows_tile<R, MT, B>(w, nb, x, k, out, n, r);
+        else
+            for (i64 rr = r; rr < n; ++rr) rows_tile<1, MT, B>(w, nb, x, k, out, n, rr);
+    }
+}
 
 template <typename B>
 void linear(const float* x, const B* w, float* out, i64 m, i64 n, i64 k, int nthreads) {
@@ -219,22 +224,13 @@ void linear(const float* x, const B* w, float* out, i64 m, i64 n, i64 k, int nth
     for (i64 g = 0; g < groups; ++g) {
         const i64 n0 = g * GROUP;
         i64 t = 0;
-#if defined(__AVX512F__)  // 32 vector registers: 16 accumulators, each block decoded once for 8 rows of x
-        for (; t + 8 <= m; t += 8)
-            for (i64 r = n0; r < std::min(n, n0 + GROUP); ++r)
-                rows_tile<1, 8, B>(w, nb, x + t * k, k, out + t * n, n, r);
-#endif
-        for (; t + 4 <= m; t += 4) {
-            rows<2, 4, B>(w, nb, x + t * k, k, out + t * n, n, n0);
-            rows<2, 4, B>(w, nb, x + t * k, k, out + t * n, n, n0 + 2);
-        }
+        if constexpr (VW == 16)
+            for (; t + 8 <= m; t += 8) group<8, B>(w, nb, x + t * k, k, out + t * n, n, n0);
+        for (; t + 4 <= m; t += 4) group<4, B>(w, nb, x + t * k, k, out + t * n, n, n0);
         switch (m - t) {
-            case 3:
-                rows<2, 3, B>(w, nb, x + t * k, k, out + t * n, n, n0);
-                rows<2, 3, B>(w, nb, x + t * k, k, out + t * n, n, n0 + 2);
-                break;
-            case 2: rows<4, 2, B>(w, nb, x + t * k, k, out + t * n, n, n0); break;
-            case 1: rows<4, 1, B>(w, nb, x + t * k, k, out + t * n, n, n0); break;
+            case 3: group<3, B>(w, nb, x + t * k, k, out + t * n, n, n0); break;
+            case 2: group<2, B>(w, nb, x + t * k, k, out + t * n, n, n0); break;
+            case 1: group<1, B>(w, nb, x + t * k, k, out + t * n, n, n0); break;
             default: break;
         }
     }
