@@ -113,10 +113,11 @@ def install(peer: Peer, home: Path) -> Installed:
     return Installed(python, f"installed in {seconds:.0f} s")
 
 
-def start(peer: Peer, python: Path, home: Path, threads: int, log: Path) -> tuple[Server, tuple[str, ...]]:
-    """The peer's server, ready; and the client flags it needs."""
+def start(peer: Peer, python: Path, home: Path, threads: int, log: Path,
+          extra: tuple[str, ...] = ()) -> tuple[Server, tuple[str, ...]]:
+    """The peer's server, ready (`extra` appended to its command line); and the client flags it needs."""
     launch = peer.launch(python, home, threads)
-    server = Server([], log, startup_timeout=1200, command=launch.command, ready_path=launch.ready_path,
+    server = Server([], log, startup_timeout=1200, command=[*launch.command, *extra], ready_path=launch.ready_path,
                     env=launch.env)
     return server, launch.client_flags
 

@@ -9,7 +9,8 @@ Workloads (`--workloads`; `--quick` shrinks each):
   question, x 64 new tokens, sent at once;
 and, for every peer, the inter-token latency of one request alone (64 new tokens after a short
 prompt), the peak RSS of the server's processes over its run, and a greedy-output check: a few
-fixed prompts through /v1/completions at temperature 0, each peer's text against hicache's.
+fixed prompts through /v1/completions at temperature 0, each peer's text against hicache's
+(`--workloads` naming none: these alone).
 
 Prompts are random common words (about a token each), new for every repeat and the same for every
 peer within a repeat; every request asks for exactly its new tokens (`ignore_eos`, or the end
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import os
 import random
+import shlex
 import statistics
 import tempfile
 import time
@@ -136,8 +138,9 @@ def greedy_texts(t: Target, s: Sizes) -> list[str]:
 
 def run_peer(peer: peer_servers.Peer, python: Path, args, repeat: int, logs: Path) -> dict:
     """One repeat of one peer: its server started, every workload run, the server stopped."""
+    extra = tuple(shlex.split(args.hicache_args)) if peer.name == "hicache" else ()
     server, flags = peer_servers.start(peer, python, peer_servers.peers_home(), args.threads,
-                                       logs / f"{peer.name}-{repeat}.log")
+                                       logs / f"{peer.name}-{repeat}.log", extra)
     sampler = peer_servers.RssSampler(server.proc.pid)
     out: dict = {"startup_s": round(server.startup_s, 1)}
     try:
@@ -233,10 +236,13 @@ def agreement(runs: dict[str, list[dict]]) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", nargs="+", choices=list(peer_servers.PEERS), default=list(peer_servers.PEERS))
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="*", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="none (`--workloads` alone): the batch-1 ITL, RSS and greedy check only")
     p.add_argument("--repeats", type=int, default=None, help="default: 3, or 1 with --quick")
     p.add_argument("--quick", action="store_true", help="small workloads (a smoke run)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of llama.cpp's server")
+    p.add_argument("--hicache-args", default="",
+                   help="more flags of `hicache serve`, e.g. --hicache-args=--disable-cpu-kernels")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-file", default=str(multiturn.RESULTS / "peers.jsonl"), help="JSON line appended here")
     args = p.parse_args(argv)

@@ -1,15 +1,16 @@
 """CPU kernels of the decoder layer: paged attention that reads the KV pool in place, RMSNorm
-(alone or after the residual add), RoPE, SiLU-and-multiply, and oneDNN linears on prepacked
-weights.
+(alone or after the residual add), RoPE, SiLU-and-multiply, oneDNN linears on prepacked
+weights, and linears of few rows on weights held exactly in GGUF's Q4_1 or Q8_0 blocks.
 
-The C++ source (`cpu_ops.cpp`, no torch headers) is compiled at first use with the machine's C++
-compiler (`-O3 -march=native -fopenmp`) into the user's cache folder, keyed by the source, the
+The C++ sources (`cpu_ops.cpp`, `cpu_quant.cpp`, no torch headers) are compiled at first use with the machine's C++
+compiler (`-O3 -march=native -fopenmp`) into the user's cache folder, keyed by the sources, the
 compiler and the CPU's flags, and loaded with ctypes. Where no compiler exists or the build fails,
 `library()` logs one warning and returns None: callers keep their torch paths. Each call runs an
 OpenMP team of torch's thread count, in torch's own libgomp (one pool for both).
 
-Tensors are CPU tensors of float32 or bfloat16 (`supports`); every launcher checks shapes, dtypes
-and contiguity and raises ValueError naming the argument, since the C++ side trusts its pointers.
+Tensors are CPU tensors of float32 or bfloat16 (`supports`; the block linears float32 only);
+every launcher checks shapes, dtypes and contiguity and raises ValueError naming the argument,
+since the C++ side trusts its pointers.
 """
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_quant.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -38,7 +40,10 @@ SIGNATURES = {
     "hc_add_rmsnorm": [_N] + [_P] * 5 + [_I, _I, _F, _N],
     "hc_rope": [_N] + [_P] * 6 + [_I] * 6 + [_N],
     "hc_silu_mul": [_N, _P, _P, _I, _I, _N],
+    "hc_quantize": [_N, _P, _I, _I, _P, _N],
+    "hc_linear_quant": [_N, _P, _P, _P, _I, _I, _I, _N],
 }
+RESULTS = {"hc_quantize": _N}
 
 
 def cache_dir() -> Path:
@@ -57,7 +62,8 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, _cpu_flags()]).encode())
+    parts = [*(source.read_text() for source in SOURCES), compiler, version, *FLAGS, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode())
     target = cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -65,7 +71,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:  # built aside and renamed: processes building at once never load a half-written file
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -88,7 +94,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, RESULTS.get(name)
     return lib
 
 
@@ -222,14 +228,68 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] reordered once for oneDNN's linear (`linear`), or None where torch has no
-    oneDNN. oneDNN runs float32 linears several times faster than the default BLAS on small batches."""
+QUANT_KINDS = {"q4_1": (0, 24), "q8_0": (1, 36)}  # block type -> (kernel code, bytes per 32 weights)
+QUANT_MAX_ROWS = 8  # linears of up to this many rows read the blocks; larger ones run oneDNN
+
+
+class QuantizedWeight(NamedTuple):
+    """A float32 weight [n, k] held exactly in GGUF blocks of 32: `blocks` uint8 [n, k / 32 * block bytes]."""
+
+    kind: str
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+
+class PackedLinear(NamedTuple):
+    """A weight packed for `linear`: oneDNN's reordered copy, and its exact GGUF blocks where it has them."""
+
+    dense: torch.Tensor
+    quantized: QuantizedWeight | None
+
+
+def quantize_exact(weight: torch.Tensor) -> QuantizedWeight | None:
+    """`weight` ([n, k] float32, k a multiple of 32) in Q4_1 blocks, else Q8_0 ones, where every block
+    reproduces its 32 values bit for bit (as weights dequantised from such a GGUF tensor do); None
+    where neither does. `linear_quantized` then multiplies by exactly these weights."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32 or not weight.numel():
+        return None
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    for kind, (code, size) in QUANT_KINDS.items():
+        blocks = torch.empty((n, k // 32 * size), dtype=torch.uint8)
+        if library().hc_quantize(code, w.data_ptr(), n, k, blocks.data_ptr(), torch.get_num_threads()):
+            return QuantizedWeight(kind, blocks, (n, k))
+    return None
+
+
+def linear_quantized(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [T, k] float32 @ weight.T -> [T, n] float32, reading the weight's blocks: float32 products
+    and sums, so only their order differs from a float32 linear's."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [T, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x.contiguous()  # checked inline: a decode step makes a hundred of these calls
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if x.shape[0]:
+        library().hc_linear_quant(QUANT_KINDS[weight.kind][0], x.data_ptr(), weight.blocks.data_ptr(), out.data_ptr(),
+                                  x.shape[0], n, k, torch.get_num_threads())
+    return out
+
+
+def pack_linear(weight: torch.Tensor, quantized: bool = False) -> PackedLinear | None:
+    """`weight` [out, in] reordered once for oneDNN's linear (`linear`), and with `quantized` its
+    exact GGUF blocks (`quantize_exact`) for linears of few rows; None where torch has no oneDNN.
+    oneDNN runs float32 linears several times faster than the default BLAS on small batches; the
+    blocks read 5 (Q4_1) or 3.8 (Q8_0) times fewer weight bytes than float32."""
     if not torch.backends.mkldnn.is_available() or weight.dtype not in DTYPES:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    return PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight.detach()),
+                        quantize_exact(weight) if quantized else None)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ weight.T through oneDNN, with the weight from `pack_linear`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
+    """x [T, in] @ weight.T with the weight from `pack_linear`: on its blocks for T up to
+    `QUANT_MAX_ROWS` where it has them, else through oneDNN."""
+    if packed.quantized is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS:
+        return linear_quantized(x, packed.quantized)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.dense, None, "none", [], "")

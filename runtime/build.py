@@ -96,7 +96,7 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
         cc.hicache_load_blocks, frozenset(windows))
     cpu_kernels = device.type == "cpu" and not rc.disable_cpu_kernels
     if cpu_kernels and hasattr(loaded.model, "use_cpu_kernels"):
-        loaded.model.use_cpu_kernels()
+        loaded.model.use_cpu_kernels(quantized=not rc.disable_cpu_quantized_linears)
     attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
                           cfg.attn_scale, cfg.layer_windows, cpu_kernels)
     return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context)

@@ -1,6 +1,7 @@
 """The layers' building blocks shared by the model families: linear (with the few-row Triton kernel
-on CUDA and oneDNN on prepacked weights on CPU), RMSNorm, RoPE (default, linear, llama3, GGUF freq
-factors), and the packing of weights for the compiled CPU kernels (`hicache.kernels.cpu`).
+on CUDA, and on CPU oneDNN on prepacked weights or, for few rows, the weights' GGUF blocks),
+RMSNorm, RoPE (default, linear, llama3, GGUF freq factors), and the packing of weights for the
+compiled CPU kernels (`hicache.kernels.cpu`).
 
 Each block picks its path at run time: the Triton kernels on CUDA where triton is installed, the
 compiled CPU kernels once a model's `use_cpu_kernels` turned them on, else torch ops.
@@ -40,10 +41,11 @@ def cpu_kernels():
     return cpu if cpu.available() else None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T. With `packed` (w prepacked for oneDNN on CPU, `LlamaForCausalLM.use_cpu_kernels`)
-    through oneDNN; on CUDA, decode-sized batches go through the Triton few-row kernel where it
-    is the faster one (`hicache.kernels.linear.prefers`); everything else through F.linear."""
+def linear(x: torch.Tensor, w: torch.Tensor, packed: Any = None) -> torch.Tensor:
+    """x @ w.T. With `packed` (w prepacked on CPU, `LlamaForCausalLM.use_cpu_kernels`) through
+    oneDNN, or for few rows the weight's exact GGUF blocks where it has them; on CUDA,
+    decode-sized batches go through the Triton few-row kernel where it is the faster one
+    (`hicache.kernels.linear.prefers`); everything else through F.linear."""
     if packed is not None:
         return cpu_kernels().linear(x, packed)
     kernels = cuda_kernels() if x.is_cuda else None
@@ -165,16 +167,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False) -> None:
+def repack(module: nn.Module, names: tuple[str, ...], kernels: Any, keep: bool = False,
+           quantized: bool = False) -> None:
     """Restores `module`'s packed weights, then, with `kernels`, packs `names` into
-    `module.packs` (each parameter's data emptied unless `keep`)."""
+    `module.packs` (each parameter's data emptied unless `keep`); with `quantized`, each also in
+    the GGUF blocks that hold its values exactly, where there are such (`kernels.pack_linear`)."""
     for name, packed in module.packs.items():
         if getattr(module, name).numel() == 0:
-            getattr(module, name).data = packed.to_dense()
+            getattr(module, name).data = packed.dense.to_dense()
     module.packs = {}
     for name in names if kernels is not None else ():
         weight = getattr(module, name)
-        packed = kernels.pack_linear(weight)
+        packed = kernels.pack_linear(weight, quantized)
         if packed is not None:
             module.packs[name] = packed
             if not keep:

@@ -53,7 +53,7 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = sharded_param((full_qkv,), fused, dtype, device) if config.qkv_bias else None
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
-        self.packs: dict[str, torch.Tensor] = {}
+        self.packs: dict[str, Any] = {}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
         T = x.shape[0]
@@ -97,7 +97,7 @@ class LlamaMLP(nn.Module):
         fused = index(tp, fused_rows([(full, part), (full, part)]))
         self.gate_up_proj = sharded_param((2 * full, config.hidden_size), fused, dtype, device)
         self.down_proj = sharded_param((config.hidden_size, full), self.parts["down"], dtype, device)
-        self.packs: dict[str, torch.Tensor] = {}
+        self.packs: dict[str, Any] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj"))
@@ -179,23 +179,26 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = sharded_param(full, index(tp, self.vocab), dtype, device)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else sharded_param(
             full, index(tp, self.vocab), dtype, device)
-        self.packs: dict[str, torch.Tensor] = {}  # use_cpu_kernels: the prepacked lm_head
+        self.packs: dict[str, Any] = {}  # use_cpu_kernels: the prepacked lm_head
 
-    def use_cpu_kernels(self, on: bool = True) -> bool:
+    def use_cpu_kernels(self, on: bool = True, quantized: bool = True) -> bool:
         """Runs the layers' RMSNorm, RoPE and SiLU-mul on the compiled CPU kernels
         (`hicache.kernels.cpu`) and the linears through oneDNN on weights prepacked now, or, with
         `on` False, back on torch ops. Only a CPU model of float32 or bfloat16 turns them on, and
         only where the kernels build; returns whether they are on. A packed weight replaces its
         parameter's data (left empty, restored when turned off), but for a tied lm_head, which the
-        embedding still reads. Call it once the weights are final: `load_weights` turns it off."""
+        embedding still reads. With `quantized`, linears of few rows (decode) read the weights
+        from GGUF blocks that hold them exactly (float32 weights dequantised from Q4_1 or Q8_0
+        tensors), several times fewer bytes. Call it once the weights are final: `load_weights`
+        turns it off."""
         kernels = cpu_kernels() if on and self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 module.cpu = kernels
             if hasattr(module, "LINEARS"):
-                repack(module, module.LINEARS, kernels)
-        repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings)
+                repack(module, module.LINEARS, kernels, quantized=quantized)
+        repack(self, ("lm_head",), kernels, keep=self.config.tie_word_embeddings, quantized=quantized)
         return kernels is not None
 
     @torch.inference_mode()

@@ -63,6 +63,47 @@ def test_layer_ops_match_torch(dtype):
         torch.testing.assert_close(cpu.linear(x, packed), F.linear(x, weight))
 
 
+def gguf_exact(shape: tuple[int, int], kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Fresh random float32 weights through GGUF's reference quantiser and back: the values a
+    GGUF tensor of `kind` dequantises to."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind.upper()]
+    w = (torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)).numpy()
+    return torch.from_numpy(dequantize(quantize(w, qtype), qtype).copy())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_quantized_linear_matches_dequantized_matmul(kind):
+    """The blocks hold the weights bit for bit (an identity input reads them back exactly), and
+    products with few rows (odd counts, tails of the row tiles) match float32 matmul up to the
+    order of the sums; `linear` takes them up to QUANT_MAX_ROWS rows, oneDNN beyond."""
+    gen = fresh_gen()
+    w = gguf_exact((37, 96), kind, gen)
+    q = cpu.quantize_exact(w)
+    assert q is not None and q.kind == kind and q.shape == (37, 96)
+    assert torch.equal(cpu.linear_quantized(torch.eye(96), q).T, w)
+    packed = cpu.pack_linear(w, quantized=True)
+    for rows in (1, 2, 3, 4, 5, 7, cpu.QUANT_MAX_ROWS, cpu.QUANT_MAX_ROWS + 3):
+        x = torch.randn(rows, 96, generator=gen)
+        want = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(cpu.linear_quantized(x, q), want, rtol=1e-5, atol=1e-5)
+        if packed is not None:
+            torch.testing.assert_close(cpu.linear(x, packed), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_exact_refuses_weights_no_block_holds():
+    gen = fresh_gen()
+    w = gguf_exact((8, 64), "q4_1", gen)
+    assert cpu.quantize_exact(w.to(torch.bfloat16)) is None
+    assert cpu.quantize_exact(w[:, :48].contiguous()) is None  # not whole blocks
+    w[3, 5] = w[3, 5].item() + 1e-3  # one value off its block's grid: Q8_0 cannot hold this block either
+    assert cpu.quantize_exact(w) is None
+    assert cpu.quantize_exact(torch.randn(8, 64, generator=gen)) is None
+    with pytest.raises(ValueError, match="x must be"):
+        cpu.linear_quantized(torch.zeros(1, 32), cpu.quantize_exact(gguf_exact((4, 64), "q8_0", gen)))
+
+
 def test_launchers_reject_bad_inputs():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="weight"):

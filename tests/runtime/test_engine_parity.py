@@ -63,8 +63,13 @@ def test_sixteen_prompts_together_match_hf(default_engine):
 
 
 def test_live_hf_oracle(hf_reference, default_engine):
-    """HF transformers, run now, still gives the golden outputs, and so does the engine."""
+    """HF transformers, run now, still gives the golden outputs, and so does the engine, decoding
+    the prompt alone (on CPU, batch-1 decode reads the linears' weights from the GGUF's blocks)."""
     from golden.regenerate import greedy as hf_greedy
+
+    model = default_engine.scheduler.runner.model
+    if model.device.type == "cpu" and model.packs:
+        assert all(p.quantized is not None for p in (*model.layers[0].mlp.packs.values(), model.packs["lm_head"]))
 
     cases = [CASES[i] for i in LIVE]
     live = [hf_greedy(hf_reference.model, c["prompt"], NEW_TOKENS)[0] for c in cases]
