@@ -31,8 +31,9 @@ from hicache.decide import LoadDecider
 from hicache.loadback import LoadBack, window_cut, windowless_nodes
 from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
-from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
+from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult, window_of
 from hicache.transfers import Op, Transfers
+from hicache.windows import WindowDrops
 from hicache.tree import MatchResult, RadixTree, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class CacheController:
         self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
         self.enabled = host_pool is not None and not tree.disabled
         self.window = window
+        self.windowed = bool(window_of(tree.allocator))  # L1 keeps the windowed layers' KV apart
         self._stale: list[TreeNode] = []
+        self.window_drops = WindowDrops(tree, deferred=self.enabled) if self.windowed else None
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
         self.decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
@@ -132,10 +135,12 @@ class CacheController:
 
         With a sliding window W, the windowed layers load only the tokens from a page before the
         last W + page of the loaded prefix: the caller computes from the prefix's end, so its
-        windowed layers never read the tokens before. The nodes wholly before that cut hold
-        untrusted windowed KV on L1: they are marked stale, so that no other match ends in or
-        passes through them, and their L1 copies (with everything below) are dropped once the
-        caller unlocks them (their L2 copies stay whole).
+        windowed layers never read the tokens before. The nodes wholly before that cut hold no
+        windowed KV on L1: where L1 keeps the windowed layers apart they get tombstones (their
+        window parts are given back at once; matches may pass through them), otherwise they are
+        marked stale, so that no other match ends in or passes through them, and their L1 copies
+        (with everything below) are dropped once the caller unlocks them. Their L2 copies stay
+        whole.
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
@@ -174,8 +179,11 @@ class CacheController:
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")
         for node in windowless_nodes(chain, cut):
-            node.stale = True
-            self._stale.append(node)
+            if self.windowed:
+                self.tree.allocator.free_window(node.device_slots)
+            else:
+                node.stale = True
+                self._stale.append(node)
         return LoadBack(slots, last, ticket)
 
     def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
@@ -189,8 +197,13 @@ class CacheController:
 
     # ---- insert and write policy ----------------------------------------------------------
 
-    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0) -> int:
+    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0,
+               drop_window: tuple[int, int] | None = None) -> int:
         """`RadixTree.insert` (same ownership contract), then the write policy's backups.
+
+        `drop_window` (start, stop), where L1 keeps the windowed layers apart: the pages of
+        `token_ids[start:stop]` that the tree takes from the caller now lose their window parts
+        (`hicache/windows.py`); pages it held already keep theirs.
 
         Uses of a page: the prefill that computed it (the first `prompt_tokens` of `token_ids`
         were computed by prefill) and every insert that finds it cached. `write_through` backs up
@@ -210,6 +223,8 @@ class CacheController:
                     todo.append(node)
             if todo:
                 self._backup(todo)
+        if drop_window is not None and self.window_drops is not None:
+            self.window_drops.drop(token_ids, namespace, max(present, drop_window[0]), drop_window[1])
         return present
 
     def _backup(self, nodes: list[TreeNode], lock: bool = True) -> int | None:
@@ -247,7 +262,15 @@ class CacheController:
 
     def evict_device(self, num_tokens: int) -> int:
         """Frees at least `num_tokens` of L1 if the tree can (see the module docstring)."""
-        freed = self.tree.evict(num_tokens, self._copy_down if self.enabled else None)
+        backup = self._copy_down if self.enabled else None
+        alloc = self.tree.allocator
+        target = alloc.num_free_tokens() + num_tokens
+        freed = self.tree.evict(num_tokens, backup)
+        while self.windowed and freed and alloc.num_free_tokens() < target:  # short of window slots
+            more = self.tree.evict(target - alloc.num_free_tokens(), backup)
+            if not more:
+                break
+            freed += more
         self.counters["device_evicted_tokens"] += freed
         return freed
 
@@ -296,6 +319,8 @@ class CacheController:
         self.drop_stale()
         self.start_loads()
         self.collect()
+        if self.window_drops is not None:
+            self.window_drops.sweep()
         if self.storage is not None:
             self.storage.poll()
         return self.transfers.take_failed()
@@ -349,6 +374,8 @@ class CacheController:
             return False
         self.tree.reset()
         self._stale = []
+        if self.window_drops is not None:
+            self.window_drops.reset()
         return True
 
     def host_stats(self) -> dict:

@@ -37,6 +37,37 @@ class PageAllocator(Protocol):
         ...
 
 
+class WindowedPageAllocator(PageAllocator, Protocol):
+    """L1 of a model with sliding-window layers (window W): a slot is a token's place in the
+    global layers' pool, and while the token's windowed-layer KV (its window part) is held, also
+    in the windowed layers' pool. `alloc` takes both parts, `free` gives back both,
+    `free_window(slots)` only the window part of whole pages (a tombstone). `num_free_tokens()`
+    counts tokens `alloc` can take (the fewer of the two pools' free slots)."""
+
+    window: int
+
+    def free_window(self, slots: torch.Tensor) -> None: ...
+
+    def window_present(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n] bool: which of `slots` hold their window part."""
+        ...
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The windowed layers' slots of `slots` (-1 where absent), int64 CPU."""
+        ...
+
+    def num_free_window_tokens(self) -> int: ...
+
+    def window_capacity_tokens(self) -> int: ...
+
+    def free_window_slots(self) -> torch.Tensor: ...
+
+
+def window_of(allocator: PageAllocator | None) -> int:
+    """The window W of a `WindowedPageAllocator`, 0 for any other allocator."""
+    return getattr(allocator, "window", 0) or 0
+
+
 class PagedAllocator:
     """Free list of pages over `num_pages * page_size` token slots.
 

@@ -11,6 +11,7 @@ from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
 from hicache.tree.residency import Residency
+from hicache.tree.window import window_end
 
 
 class RadixTree(Residency):
@@ -60,7 +61,10 @@ class RadixTree(Residency):
 
         Splits the last matched node when the match ends inside it, so `last_node` (and
         `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
-        stale node ends the match. The result is not locked: call `lock(last_node)` before
+        stale node ends the match. When L1 keeps the windowed layers' KV apart, the L1 part ends
+        at the deepest page boundary whose window the request reads is held there
+        (`hicache/tree/window.py`); if that cuts it short, the L2 part is dropped. The result is
+        not locked: call `lock(last_node)` before
         anything may evict. Matching in a namespace that holds nothing returns a fresh root that
         is not kept (matching never grows the tree).
         """
@@ -69,7 +73,7 @@ class RadixTree(Residency):
         if self.disabled:
             return MatchResult(_empty_slots(), root, 0, root)
         now = next(self._clock)
-        parts: list[torch.Tensor] = []
+        devs: list[TreeNode] = []
         last = deepest = root
         host = 0
         for node in self._walk_prefix(root, tokens):
@@ -78,11 +82,26 @@ class RadixTree(Residency):
             node.last_access = now
             deepest = node
             if node.device_slots is not None:
-                parts.append(node.device_slots)
+                devs.append(node)
                 last = node
             else:
                 host += len(node.key)
-        return MatchResult(torch.cat(parts) if parts else _empty_slots(), last, host, deepest)
+        slots = torch.cat([n.device_slots for n in devs]) if devs else _empty_slots()
+        end = window_end(self.allocator, slots, self.page_size)
+        if end < slots.numel():
+            last = deepest = self._cut(root, devs, end)
+            slots, host = slots[:end], 0
+        return MatchResult(slots, last, host, deepest)
+
+    def _cut(self, root: TreeNode, path: list[TreeNode], end: int) -> TreeNode:
+        """The node of `path` (root side first) that ends at token `end`, split off where `end`
+        falls inside one; `root` when end is 0."""
+        last, pos = root, 0
+        for node in path:
+            if pos + len(node.key) > end:
+                return self._split(node, end - pos) if end > pos else last
+            last, pos = node, pos + len(node.key)
+        return last
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, namespace: str = "") -> int:
         """Cache the page-aligned prefix of `token_ids`, whose KV is in `slots` ([len] int64, CPU).

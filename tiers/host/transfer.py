@@ -235,12 +235,22 @@ class HostTransferEngine:
     def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, window_device: torch.Tensor,
                 window_host: torch.Tensor) -> tuple[int, Callable[[int], None]]:
         """(steps, copy_step): a load copies layer i in step i (a windowed layer: the window
-        slots); a backup copies every layer in one step (one kernel launch or one driver call)
-        where it can, else a step per layer."""
+        slots); a backup copies every layer in one step (one kernel launch or one driver call a
+        group of layers alike) where it can, else a step per layer. Over a pool that keeps its
+        windowed layers apart, those layers copy from and to the window slots of their device
+        slots (every one of which must hold its window part)."""
         dev, host, layers = self.device_pool, self.host_pool, self.device_pool.num_layers
         load = kind == "load"
-        windowed = load and window_device.numel() < device_slots.numel()
-        wins = self.window_layers if windowed else frozenset()
+        if not load:
+            window_device, window_host = device_slots, host_slots
+        apart = bool(getattr(dev, "window_layers", ()))
+        if apart:
+            window_device = dev.allocator.window_slots(window_device)
+            if bool((window_device < 0).any()):
+                raise ValueError(f"{kind}: a slot of a windowed layer holds no window part")
+        windowed = apart or (load and window_device.numel() < device_slots.numel())
+        wins = (dev.window_layers if apart else self.window_layers) if windowed else frozenset()
+        groups = _layer_groups(layers, wins)
         if self._layers is not None:
             from hicache.kernels.transfer import copy_kv
 
@@ -250,29 +260,37 @@ class HostTransferEngine:
                 return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, wh if i in wins else hslots,
                                                  wd if i in wins else dslots, range(i, i + 1), to_host=False,
                                                  max_blocks=self.load_blocks)
-            return 1, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers),
-                                        to_host=True)
+
+            def backup(_: int) -> None:
+                for group, win in groups:
+                    copy_kv(host.buffer, host.layout, self._layers, wh if win else hslots, wd if win else dslots,
+                            group, to_host=True)
+            return 1, backup
         if self._batch is not None:
             bufs = [dev.k_buffer(i) for i in range(layers)], [dev.v_buffer(i) for i in range(layers)]
-            dsts, srcs, sizes = page_copies(host, *bufs, host_slots, device_slots, range(layers), to_host=not load)
+            if not load:
+                copies = [page_copies(host, *bufs, window_host if win else host_slots,
+                                      window_device if win else device_slots, group, to_host=True)
+                          for group, win in groups]
+                return 1, lambda i: [self._batch.copy(*c, True, self._streams["backup"]) for c in copies]
+            dsts, srcs, sizes = page_copies(host, *bufs, host_slots, device_slots, range(layers), to_host=False)
             wdsts, wsrcs, wsizes = page_copies(host, *bufs, window_host, window_device, range(layers),
                                                to_host=False) if windowed else (dsts, srcs, sizes)
-            if load:  # [2, L, runs]: layer i's K and V runs in one call
-                def copy(i: int) -> None:
-                    d, src, size = (wdsts, wsrcs, wsizes) if i in wins else (dsts, srcs, sizes)
-                    self._batch.copy(d[:, i], src[:, i], size[:, i], False, self._streams["load"])
-                return layers, copy
-            return 1, lambda i: self._batch.copy(dsts, srcs, sizes, True, self._streams["backup"])
+
+            def copy(i: int) -> None:  # [2, L, runs]: layer i's K and V runs in one call
+                d, src, size = (wdsts, wsrcs, wsizes) if i in wins else (dsts, srcs, sizes)
+                self._batch.copy(d[:, i], src[:, i], size[:, i], False, self._streams["load"])
+            return layers, copy
         dslots, wd = self._to_device(device_slots), self._to_device(window_device) if windowed else None
 
         def copy_layer(i: int) -> None:
+            d, h = (wd, window_host) if i in wins else (dslots, host_slots)
             if load:
-                d, h = (wd, window_host) if i in wins else (dslots, host_slots)
                 k, v = host.get_layer(i, h)
                 dev.k_buffer(i)[d] = k.to(self.device, non_blocking=True)
                 dev.v_buffer(i)[d] = v.to(self.device, non_blocking=True)
             else:
-                host.set_layer(i, host_slots, dev.k_buffer(i)[dslots], dev.v_buffer(i)[dslots])
+                host.set_layer(i, h, dev.k_buffer(i)[d], dev.v_buffer(i)[d])
         return layers, copy_layer
 
     def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
@@ -327,3 +345,13 @@ class HostTransferEngine:
 
     def in_flight(self) -> int:
         return len(self._pending) + len(self._deferred)
+
+
+def _layer_groups(layers: int, wins: frozenset[int]) -> list[tuple[range, bool]]:
+    """Layers 0..layers-1 as runs of consecutive layers alike (windowed or not), in order."""
+    groups, start = [], 0
+    for i in range(1, layers + 1):
+        if i == layers or (i in wins) != (start in wins):
+            groups.append((range(start, i), start in wins))
+            start = i
+    return groups
