@@ -48,8 +48,8 @@ def save_tiny(kind: str, folder):
     return model
 
 
-def scheduler(folder, **cache):
-    rc = RuntimeConfig(model_path=str(folder), max_total_tokens=96, max_running_requests=6,
+def scheduler(folder, total=96, **cache):
+    rc = RuntimeConfig(model_path=str(folder), max_total_tokens=total, max_running_requests=6,
                        chunked_prefill_size=16, max_prefill_tokens=32)
     return build_scheduler(rc, HiCacheConfig(page_size=4, hicache_ratio=8.0, hicache_storage_backend="none", **cache))
 
@@ -125,3 +125,41 @@ def test_gguf_loads_as_hf(tmp_path):
     ref.check_loaded(ref.load_weights(hf.state_dict().items()))
     for (name, a), b in zip(got.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def window_held(sched) -> list[int]:
+    """Per running request: its own slots that hold their window part (windowed layers' KV)."""
+    alloc = sched.cache.allocator
+    return [int(alloc.window_present(r.lease.slots[r.lease.prefix_len:]).sum()) for r in sched.running]
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_window_parts_dropped_multi_turn_match_hf(gemma, tmp_path, kind):
+    """Without an L2, a running request gives back the window parts of its pages older than
+    its last W tokens as it goes (it then holds at most W + a chunk + a page of them), and a
+    finished one leaves tombstones before its last W tokens. The next turn matches across those
+    tombstones, and every output equals HF's (Mistral: every layer windowed, no global pool)."""
+    folder, hf = gemma if kind == "gemma3" else (tmp_path, save_tiny("mistral", tmp_path))
+    sched = scheduler(folder, total=256, disable_hierarchical_cache=True)
+    assert sched.runner.pool.window_layers == {i for i, w in enumerate(sched.runner.pool.k_buffers)
+                                               if w.shape[0] == sched.runner.pool.window_slots}
+    first = prompts(3, (30, 41, 17))
+    turns, peak = [first, []], 0
+    for turn, batch in enumerate(turns):
+        for i, p in enumerate(batch):
+            sched.add_request(request(f"t{turn}{i}", p, dict(GREEDY, max_new_tokens=NEW)))
+        got = {}
+        while sched.has_work():
+            for o in sched.step():
+                got.setdefault(o.rid, [[], None])[0].extend(o.new_token_ids)
+                got[o.rid][1] = o.meta
+            sched.check_integrity()
+            peak = max([peak, *window_held(sched)])
+        for i, p in enumerate(batch):
+            assert got[f"t{turn}{i}"][0] == greedy(hf, p, NEW)[0], (turn, i)
+        if turn == 0:
+            turns[1] = [p + got[f"t0{i}"][0] + [9, 10, 11] for i, p in enumerate(first)]
+            tree_slots = torch.cat([n.device_slots for n in sched.cache.tree.nodes()])
+            assert not bool(sched.cache.allocator.window_present(tree_slots).all())  # tombstones
+    assert peak <= WINDOW + 16 + 4, peak
+    assert all(got[f"t1{i}"][1]["cached_tokens"] >= len(p) - WINDOW for i, p in enumerate(first))
