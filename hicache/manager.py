@@ -334,10 +334,14 @@ class CacheManager:
     def tier_stats(self, hits: dict[str, int], bytes_per_token: int) -> dict:
         """Per-tier occupancy and traffic; `hits`: tokens served from each tier."""
         a = self.allocator
-        device = {"used_tokens": a.capacity_tokens() - a.num_free_tokens(), "capacity_tokens": a.capacity_tokens(),
+        free = a.num_free_global_tokens() if window_of(a) else a.num_free_tokens()
+        device = {"used_tokens": a.capacity_tokens() - free, "capacity_tokens": a.capacity_tokens(),
                   "cached_tokens": self.tree.total_tokens(), "hit_tokens": hits["device"],
                   "evicted_tokens": self.controller.counters["device_evicted_tokens"],
                   "bytes_per_token": bytes_per_token}
+        if window_of(a):  # the windowed layers' pool: slots holding a token's window part
+            device.update(window_used_tokens=a.window_capacity_tokens() - a.num_free_window_tokens(),
+                          window_capacity_tokens=a.window_capacity_tokens())
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
         host = dict(self.controller.host_stats(), hit_tokens=hits["host"]) if self.controller.enabled else dict(empty)
         storage = dict(self.storage.stats(), hit_tokens=hits["storage"]) if self.storage is not None else dict(empty)

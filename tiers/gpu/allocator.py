@@ -76,6 +76,9 @@ class WindowedAllocator:
     def num_free_window_tokens(self) -> int:
         return self.windows.num_free_tokens()
 
+    def num_free_global_tokens(self) -> int:
+        return self.full.num_free_tokens()
+
     def capacity_tokens(self) -> int:
         return self.full.capacity_tokens()
 
