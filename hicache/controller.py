@@ -62,7 +62,7 @@ class CacheController:
         self.window = window
         self.windowed = bool(window_of(tree.allocator))  # L1 keeps the windowed layers' KV apart
         self._stale: list[TreeNode] = []
-        self.window_drops = WindowDrops(tree, deferred=self.enabled) if self.windowed else None
+        self.window_drops = WindowDrops(tree, deferred=self.enabled)
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
         self.decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
@@ -136,11 +136,9 @@ class CacheController:
         With a sliding window W, the windowed layers load only the tokens from a page before the
         last W + page of the loaded prefix: the caller computes from the prefix's end, so its
         windowed layers never read the tokens before. The nodes wholly before that cut hold no
-        windowed KV on L1: where L1 keeps the windowed layers apart they get tombstones (their
-        window parts are given back at once; matches may pass through them), otherwise they are
-        marked stale, so that no other match ends in or passes through them, and their L1 copies
-        (with everything below) are dropped once the caller unlocks them. Their L2 copies stay
-        whole.
+        windowed KV on L1: tombstones where L1 keeps the windowed layers apart, else stale nodes
+        (no other match ends in or passes through them; their L1 copies, with everything below,
+        are dropped once the caller unlocks them). Their L2 copies stay whole.
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
@@ -223,7 +221,7 @@ class CacheController:
                     todo.append(node)
             if todo:
                 self._backup(todo)
-        if drop_window is not None and self.window_drops is not None:
+        if drop_window is not None:
             self.window_drops.drop(token_ids, namespace, max(present, drop_window[0]), drop_window[1])
         return present
 
@@ -265,11 +263,9 @@ class CacheController:
         backup = self._copy_down if self.enabled else None
         alloc = self.tree.allocator
         target = alloc.num_free_tokens() + num_tokens
-        freed = self.tree.evict(num_tokens, backup)
-        while self.windowed and freed and alloc.num_free_tokens() < target:  # short of window slots
+        freed = more = self.tree.evict(num_tokens, backup)
+        while more and self.windowed and alloc.num_free_tokens() < target:  # short of window slots
             more = self.tree.evict(target - alloc.num_free_tokens(), backup)
-            if not more:
-                break
             freed += more
         self.counters["device_evicted_tokens"] += freed
         return freed
@@ -319,8 +315,7 @@ class CacheController:
         self.drop_stale()
         self.start_loads()
         self.collect()
-        if self.window_drops is not None:
-            self.window_drops.sweep()
+        self.window_drops.sweep()
         if self.storage is not None:
             self.storage.poll()
         return self.transfers.take_failed()
@@ -374,8 +369,7 @@ class CacheController:
             return False
         self.tree.reset()
         self._stale = []
-        if self.window_drops is not None:
-            self.window_drops.reset()
+        self.window_drops.reset()
         return True
 
     def host_stats(self) -> dict:

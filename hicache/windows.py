@@ -2,6 +2,7 @@
 which tree pages give their window parts back, and when."""
 from __future__ import annotations
 
+from hicache.tiers.base import window_of
 from hicache.tree import RadixTree, TreeNode
 
 
@@ -19,7 +20,7 @@ class WindowDrops:
     def drop(self, token_ids, namespace: str, start: int, stop: int) -> None:
         """Tombstones the tree's pages of `token_ids[start:stop]` (page-aligned), splitting the
         nodes where the range begins and ends."""
-        if stop <= start:
+        if stop <= start or not window_of(self.tree.allocator):
             return
         self.tree.path(token_ids[:start], namespace)
         pos = 0

@@ -48,9 +48,9 @@ def save_tiny(kind: str, folder):
     return model
 
 
-def scheduler(folder, total=96, **cache):
+def scheduler(folder, total=96, runtime=(), **cache):
     rc = RuntimeConfig(model_path=str(folder), max_total_tokens=total, max_running_requests=6,
-                       chunked_prefill_size=16, max_prefill_tokens=32)
+                       chunked_prefill_size=16, max_prefill_tokens=32, **dict(runtime))
     return build_scheduler(rc, HiCacheConfig(page_size=4, hicache_ratio=8.0, hicache_storage_backend="none", **cache))
 
 
@@ -80,19 +80,39 @@ def test_config_reads_layer_types_and_windows(gemma):
 def test_batched_chunked_retracted_then_from_host_match_hf(gemma):
     """Round 1: prompts past the window together in a small L1 (chunked prefill, retractions);
     round 2: each prompt extended, its prefix served from the radix tree, loaded back from L2."""
-    folder, hf = gemma
+    two_rounds(*gemma, scheduler(gemma[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("io", ["none", "direct", "kernel"])
+def test_windowed_pool_on_cuda_matches_hf(gemma, io):
+    """The CUDA path over the windowed layers' own pool, fp32: the Triton store, extend and decode
+    kernels and the decode CUDA graphs reading translated slots; with an L2 (`io`: its copy
+    backend), backups and windowed load-backs through the window map."""
+    runtime = dict(device="cuda", dtype="float32", attention_backend="triton")
+    cache = dict(disable_hierarchical_cache=True) if io == "none" else dict(hicache_io_backend=io)
+    two_rounds(*gemma, scheduler(gemma[0], runtime=runtime, **cache), host=io != "none")
+
+
+def two_rounds(folder, hf, sched, host: bool = True):
+    """Six prompts past the window, then each extended and two ending inside others' prefixes:
+    greedy outputs equal HF's; with `host`, some prefixes came back from L2, moving fewer bytes
+    than every layer's KV of their tokens."""
     first = prompts(1, (5, 20, 33, 40, 27, 12))
     # each prompt extended, and two ending inside prefixes that others load back at the same time
     second = [p + [7, 8, 9, 10, 11] for p in first] + [first[3][:21], first[2][:14] + [5]]
-    sched = scheduler(folder)
     got1, got2 = run(sched, first, "a"), run(sched, second, "b")
     for i, p in enumerate(first):
         assert got1[f"a{i}"][0] == greedy(hf, p, NEW)[0], i
     for i, p in enumerate(second):
         assert got2[f"b{i}"][0] == greedy(hf, p, NEW)[0], i
     stats = sched.stats()
+    assert stats["retractions"] > 0, stats
+    if not host:
+        return
     host = stats["tiers"]["host"]
-    assert stats["retractions"] > 0 and host["loaded_back_tokens"] > 0, stats
+    assert host["loaded_back_tokens"] > 0, stats
     assert sum(got2[f"b{i}"][1]["cached_tokens"] for i in range(len(first))) > 0
     # the windowed layers skipped what no continuation reads: fewer bytes than whole tokens
     assert host["loaded_back_bytes"] < host["loaded_back_tokens"] * host["bytes_per_token"], host
