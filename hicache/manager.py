@@ -138,10 +138,21 @@ class CacheManager:
             if not back.refused:
                 lease._node, lease.slots = back.last_node, torch.cat([lease.slots, back.device_slots])
                 loaded = back.device_slots.numel()
+        if m.host_hit_tokens and not loaded:  # its L1 part alone: where the window before its end is held
+            self._resume_on_l1(lease, m)
         lease.prefix_len = lease.slots.numel()
         self.req_table.write(lease.row, 0, lease.slots)
         lease._loads = self.controller.pending_loads(lease._node)
         return Admission(lease.prefix_len, loaded)
+
+    def _resume_on_l1(self, lease: Lease, m: MatchResult) -> None:
+        """The lease's prefix is the L1 part of `m` (its L2 part not loaded), cut back where L1
+        keeps the windowed layers apart and lacks the window before that part's end."""
+        cut = self.tree.device_prefix(m)
+        if cut.last_node is not m.last_node:
+            self.controller.lock(cut.last_node)
+            self.controller.unlock(m.last_node)
+            lease._node, lease.slots = cut.last_node, cut.device_slots
 
     def grow(self, lease: Lease, upto: int, headroom: int = 0) -> bool:
         """Extends the lease's slots to cover `upto` tokens (whole pages), evicting the tree if

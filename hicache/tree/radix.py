@@ -11,7 +11,7 @@ from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
 from hicache.tree.residency import Residency
-from hicache.tree.window import window_end
+from hicache.tree.window import window_end, window_held
 
 
 class RadixTree(Residency):
@@ -56,17 +56,17 @@ class RadixTree(Residency):
 
     # ---- match / insert -------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
+    def match(self, token_ids: Sequence[int], namespace: str = "", whole: bool = False) -> MatchResult:
         """Longest page-aligned prefix of `token_ids` cached in `namespace`, on L1 then L2.
 
         Splits the last matched node when the match ends inside it, so `last_node` (and
         `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
-        stale node ends the match. When L1 keeps the windowed layers' KV apart, the L1 part ends
-        at the deepest page boundary whose window the request reads is held there
-        (`hicache/tree/window.py`); if that cuts it short, the L2 part is dropped. The result is
-        not locked: call `lock(last_node)` before
-        anything may evict. Matching in a namespace that holds nothing returns a fresh root that
-        is not kept (matching never grows the tree).
+        stale node ends the match. When L1 keeps the windowed layers' KV apart, a match with an L2
+        part keeps it when the window before its end is held on L1 where L1 holds it (the
+        load-back brings the rest), and otherwise is cut back to `device_prefix` (unless `whole`:
+        what the tree holds, window parts aside, as an L3 prefetch asks). The result is
+        not locked: call `lock(last_node)` before anything may evict. Matching in a namespace that
+        holds nothing returns a fresh root that is not kept (matching never grows the tree).
         """
         tokens = _as_tokens(token_ids)
         root = self._roots.get(namespace) or TreeNode(namespace=namespace)
@@ -87,21 +87,25 @@ class RadixTree(Residency):
             else:
                 host += len(node.key)
         slots = torch.cat([n.device_slots for n in devs]) if devs else _empty_slots()
-        end = window_end(self.allocator, slots, self.page_size)
-        if end < slots.numel():
-            last = deepest = self._cut(root, devs, end)
-            slots, host = slots[:end], 0
-        return MatchResult(slots, last, host, deepest)
+        match = MatchResult(slots, last, host, deepest)
+        if whole or (host and window_held(self.allocator, slots, self.page_size, slots.numel() + host)):
+            return match
+        return self.device_prefix(match)
 
-    def _cut(self, root: TreeNode, path: list[TreeNode], end: int) -> TreeNode:
-        """The node of `path` (root side first) that ends at token `end`, split off where `end`
-        falls inside one; `root` when end is 0."""
-        last, pos = root, 0
-        for node in path:
-            if pos + len(node.key) > end:
-                return self._split(node, end - pos) if end > pos else last
-            last, pos = node, pos + len(node.key)
-        return last
+    def device_prefix(self, match: MatchResult) -> MatchResult:
+        """What of `match` a request may resume after without loading its L2 part: its L1 part,
+        cut back where L1 keeps the windowed layers apart and the window before its end is not
+        held there (`hicache/tree/window.py`), splitting the node the cut falls in."""
+        slots = match.device_slots
+        end = window_end(self.allocator, slots, self.page_size)
+        if end == slots.numel() and not match.host_hit_tokens:
+            return match
+        node, stop = match.last_node, slots.numel()  # node: the tokens [stop - len(key), stop)
+        while node.parent is not None and stop - len(node.key) >= end:
+            stop, node = stop - len(node.key), node.parent
+        if node.parent is not None and stop > end:
+            node = self._split(node, end - stop + len(node.key))
+        return MatchResult(slots[:end], node, 0, node)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, namespace: str = "") -> int:
         """Cache the page-aligned prefix of `token_ids`, whose KV is in `slots` ([len] int64, CPU).

@@ -24,3 +24,13 @@ def window_end(allocator: PageAllocator, slots: torch.Tensor, page_size: int) ->
     lo = (ends - -(-window // page_size)).clamp(min=0)
     ok = absent[ends] == absent[lo]
     return int(ends[ok].max()) * page_size
+
+
+def window_held(allocator: PageAllocator, slots: torch.Tensor, page_size: int, end: int) -> bool:
+    """Whether a prefix ending at token `end` >= len(slots), whose tokens past `slots` will hold
+    their window parts (a load-back brings them), finds the rest of its window held in `slots`."""
+    window = window_of(allocator)
+    if not window:
+        return True
+    start = max(0, end - window) // page_size * page_size
+    return bool(allocator.window_present(slots[start:]).all())

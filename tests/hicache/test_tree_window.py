@@ -83,3 +83,24 @@ def _path(node):
         out.append(node)
         node = node.parent
     return out
+
+
+@pytest.mark.parametrize("dropped,tail,kept", [(20, 4, True), (24, 4, False), (24, 8, True)])
+def test_l2_part_kept_when_the_window_before_its_end_is_held(dropped, tail, kept):
+    """An L1 part with tombstones, then `tail` tokens only L2 holds: the match keeps its L2 part
+    when the W tokens before its end hold their window parts on L1 or come from L2; cut back
+    otherwise. Without the load, the request resumes after `device_prefix`, cut where the window
+    before the L1 part's end is missing."""
+    alloc, tree, seq, slots = cached(host=True)
+    host = tree.host_allocator
+    for node in list(tree.nodes()):
+        tree.attach_host(node, host.alloc(len(node.key)))
+    alloc.free_window(slots[:dropped])
+    ext = seq + list(range(200, 200 + tail))
+    assert tree.insert_host(ext, host.alloc(tail), 24) == 0
+    m = tree.match(ext)
+    assert (m.device_slots.numel(), m.host_hit_tokens) == ((24, tail) if kept else (0, 0))
+    alone = tree.device_prefix(m)
+    assert alone.host_hit_tokens == 0 and alone.device_slots.numel() == (24 if dropped <= 16 else 0)
+    assert tree.match(ext, whole=True).host_hit_tokens == tail
+    tree.check_integrity()
