@@ -9,8 +9,9 @@ Random weights in the config's shape (`load_format=dummy`). L1: without an L2, o
 `--context` random tokens streams its output; the L1 pools' occupancy is read while it decodes
 (a running request) and once it has finished (what the radix tree keeps), as layer-tokens (slots
 of the global layers' pool times their number, plus those of the windowed layers' pool).
-Load-back: with an L2 (write-through), the prompt runs, a second one as long evicts it from L1,
-and the first plus a few tokens runs again and loads its prefix back. Prints JSON and appends it
+Load-back: with an L2 (write-through), the prompt runs (what L1 keeps of it once finished is
+read), a second one as long evicts it from L1, and the first plus a few tokens runs again and
+loads its prefix back. Prints JSON and appends it
 to results/window_loadback.jsonl.
 """
 from __future__ import annotations
@@ -60,17 +61,21 @@ def l1_held(args, prompt: list[int], layers: tuple[int, int]) -> dict:
             "running_ratio": round(full / running, 2), "cached_ratio": round(full / cached, 2)}
 
 
-def load_back(args, first: list[int], second: list[int]) -> dict:
+def load_back(args, first: list[int], second: list[int], layers: tuple[int, int]) -> dict:
+    """With an L2: what L1 keeps of the first prompt once it finished (its pages written
+    through), and the bytes of its load-back once a second prompt evicted it."""
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     with Engine(args.config, load_format="dummy", max_total_tokens=args.context + 4 * args.page_size,
                 swa_full_tokens_ratio=1.0, page_size=args.page_size, hicache_ratio=4.0,
                 hicache_storage_backend="none", chunked_prefill_size=2048) as engine:
+        cached = 0
         for ids in (first, second, first + [5, 6, 7]):
             meta = engine.generate(input_ids=ids, sampling_params=params)["meta_info"]
+            cached = cached or held(engine.get_stats(), layers)
         host = engine.get_stats()["tiers"]["host"]
     tokens, moved = host["loaded_back_tokens"], host["loaded_back_bytes"]
     full = tokens * host["bytes_per_token"]
-    return {"loaded_back_tokens": tokens, "loaded_back_bytes": moved, "full_kv_bytes": full,
+    return {"cached_layer_tokens_with_l2": cached, "loaded_back_tokens": tokens, "loaded_back_bytes": moved, "full_kv_bytes": full,
             "bytes_ratio": round(full / moved, 2) if moved else None, "cached_details": meta["cached_tokens_details"]}
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     first, second = ([rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(2))
     layers = layer_counts(args.config)
     row = {"config": Path(args.config).name, "context": args.context, "page_size": args.page_size,
-           "layers_global_windowed": layers, **l1_held(args, first, layers), **load_back(args, first, second)}
+           "layers_global_windowed": layers, **l1_held(args, first, layers), **load_back(args, first, second, layers)}
     print(json.dumps(row, indent=1))
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / "window_loadback.jsonl", "a") as f:
