@@ -75,7 +75,8 @@ def load_back(args, first: list[int], second: list[int], layers: tuple[int, int]
         host = engine.get_stats()["tiers"]["host"]
     tokens, moved = host["loaded_back_tokens"], host["loaded_back_bytes"]
     full = tokens * host["bytes_per_token"]
-    return {"cached_layer_tokens_with_l2": cached, "loaded_back_tokens": tokens, "loaded_back_bytes": moved, "full_kv_bytes": full,
+    return {"cached_layer_tokens_with_l2": cached, "loaded_back_tokens": tokens, "loaded_back_bytes": moved,
+            "full_kv_bytes": full,
             "bytes_ratio": round(full / moved, 2) if moved else None, "cached_details": meta["cached_tokens_details"]}
 
 
