@@ -28,7 +28,7 @@ import torch
 
 from hicache.config import WRITE_POLICIES
 from hicache.decide import LoadDecider
-from hicache.loadback import LoadBack, window_cut, windowless_nodes
+from hicache.loadback import LoadBack, window_cut, window_repair, windowless_nodes
 from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult, window_of
@@ -138,41 +138,55 @@ class CacheController:
         windowed layers never read the tokens before. The nodes wholly before that cut hold no
         windowed KV on L1: tombstones where L1 keeps the windowed layers apart, else stale nodes
         (no other match ends in or passes through them; their L1 copies, with everything below,
-        are dropped once the caller unlocks them). Their L2 copies stay whole.
+        are dropped once the caller unlocks them). Their L2 copies stay whole. The tokens of the
+        window before the prefix's end that lack their window parts on L1 (`match.repair`) get
+        them back, their windowed layers loaded from L2 with the rest: a match may be all repair.
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
 
-        if not self.enabled or match.host_hit_tokens < self.load_back_min_tokens:
+        fix = window_repair(self.tree.allocator, match) if match.repair else None
+        if not self.enabled or (match.host_hit_tokens < self.load_back_min_tokens and fix is None):
             if match.host_hit_tokens:
                 self.counters["load_back_recomputed_tokens"] += match.host_hit_tokens
             return refuse("short")
         queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
-        if not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
+        if fix is None and not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
             return refuse("slow")
         cut = window_cut(self.tree, match, self.window)
         chain = self.tree.load_chain(match.last_host_node)
-        n = sum(len(node.key) for node in chain)
-        host = torch.cat([node.host_slots for node in chain])
-        for node in chain:  # so that making room (write_back copies into L2) cannot evict them
+        n, r = sum(len(node.key) for node in chain), 0 if fix is None else fix.device_slots.numel()
+        host = torch.cat([node.host_slots for node in chain]) if chain else match.device_slots[:0]
+        pinned = chain + (fix.nodes if fix is not None else [])
+        for node in pinned:  # so that making room (write_back copies into L2) cannot evict them
             node.host_pin += 1
-        slots = self._alloc_device(n, extra_tokens)
-        for node in chain:
+        slots = self._alloc_device(n, extra_tokens + r)
+        for node in pinned:
             node.host_pin -= 1
         if slots is None:
             self.counters["load_back_deferred"] += 1
             return refuse("room")
-        self.tree.attach_device(chain, slots)
-        last = chain[-1]
-        self.tree.lock(last)  # the caller's lock moves down to the loaded part
-        self.tree.unlock(match.last_node)
-        load = (lambda: self.transfer.load(host, slots, skip=cut)) if cut else (lambda: self.transfer.load(host, slots))
-        ticket = self.transfers.submit("load", chain, (last,), load)
+        last = match.last_node
+        if chain:
+            self.tree.attach_device(chain, slots)
+            last = chain[-1]
+            self.tree.lock(last)  # the caller's lock moves down to the loaded part
+            self.tree.unlock(match.last_node)
+        options = {"skip": cut} if cut else {}
+        if r:
+            self.tree.allocator.restore_window(fix.device_slots)
+            options["repair"] = (fix.host_slots, fix.device_slots)
+        ticket = self.transfers.submit("load", pinned, (last,), lambda: self.transfer.load(host, slots, **options))
         self.collect()
         if ticket in self.transfers.failed:  # failed at once: nobody used the pages; undo and recompute
             del self.transfers.failed[ticket]
-            self.tree.lock(match.last_node)
-            self.tree.unlock(last)
+            if chain:
+                self.tree.lock(match.last_node)
+                self.tree.unlock(last)
+            for node in fix.nodes if r else ():  # their global parts are intact: tombstones again
+                node.stale = False
+            if r:
+                self.tree.allocator.free_window(fix.device_slots)
             self.drop_stale()
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")

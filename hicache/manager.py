@@ -129,16 +129,16 @@ class CacheManager:
         if lease.row is None:
             self.drop(lease)
             return None
-        loaded = 0
-        if load and m.host_hit_tokens:
+        loaded, ready = 0, not (m.host_hit_tokens or m.repair)
+        if load and not ready:
             back = self.controller.load_back(m, load_room)
             if back.refused == "room":
                 self.drop(lease)
                 return None
             if not back.refused:
                 lease._node, lease.slots = back.last_node, torch.cat([lease.slots, back.device_slots])
-                loaded = back.device_slots.numel()
-        if m.host_hit_tokens and not loaded:  # its L1 part alone: where the window before its end is held
+                loaded, ready = back.device_slots.numel(), True
+        if not ready:  # its L1 part alone: where the window before its end is held
             self._resume_on_l1(lease, m)
         lease.prefix_len = lease.slots.numel()
         self.req_table.write(lease.row, 0, lease.slots)

@@ -48,6 +48,10 @@ class WindowedPageAllocator(PageAllocator, Protocol):
 
     def free_window(self, slots: torch.Tensor) -> None: ...
 
+    def restore_window(self, slots: torch.Tensor) -> bool:
+        """Fresh window parts for `slots` (whole pages lacking them); False when short."""
+        ...
+
     def window_present(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] bool: which of `slots` hold their window part."""
         ...
@@ -202,7 +206,11 @@ class TransferEngine(Protocol):
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int: ...
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer=None) -> int: ...
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer=None) -> int:
+        """(An engine over a device pool with sliding-window layers also takes `skip`, the leading
+        slots whose windowed layers it leaves out, and `repair`, the (host, device) slots of
+        tokens on L1 whose windowed layers alone it copies: `HostTransferEngine.load`.)"""
+        ...
 
     def poll(self) -> list[TransferResult]: ...
 

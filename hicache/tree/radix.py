@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, UseClock, get_strategy, smoothed_gap
-from hicache.tiers.base import PageAllocator
+from hicache.tiers.base import PageAllocator, window_of
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
 from hicache.tree.residency import Residency
@@ -61,10 +61,10 @@ class RadixTree(Residency):
 
         Splits the last matched node when the match ends inside it, so `last_node` (and
         `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
-        stale node ends the match. When L1 keeps the windowed layers' KV apart, a match with an L2
-        part keeps it when the window before its end is held on L1 where L1 holds it (the
-        load-back brings the rest), and otherwise is cut back to `device_prefix` (unless `whole`:
-        what the tree holds, window parts aside, as an L3 prefetch asks). The result is
+        stale node ends the match. When L1 keeps the windowed layers' KV apart and the window before
+        the match's end lacks window parts on L1, a tree with an L2 names the tokens whose window
+        parts a load-back restores (`repair`); one without is cut back to `device_prefix`. `whole`:
+        what the tree holds, window parts aside (as an L3 prefetch asks). The result is
         not locked: call `lock(last_node)` before anything may evict. Matching in a namespace that
         holds nothing returns a fresh root that is not kept (matching never grows the tree).
         """
@@ -88,8 +88,12 @@ class RadixTree(Residency):
                 host += len(node.key)
         slots = torch.cat([n.device_slots for n in devs]) if devs else _empty_slots()
         match = MatchResult(slots, last, host, deepest)
-        if whole or (host and window_held(self.allocator, slots, self.page_size, slots.numel() + host)):
+        end = slots.numel() + host
+        if whole or window_held(self.allocator, slots, self.page_size, end):
             return match
+        if self.host_allocator is not None:  # every tombstone on L1 has its L2 copy
+            window = window_of(self.allocator)
+            return match._replace(repair=slots.numel() - max(0, end - window) // self.page_size * self.page_size)
         return self.device_prefix(match)
 
     def device_prefix(self, match: MatchResult) -> MatchResult:

@@ -85,12 +85,13 @@ def _path(node):
     return out
 
 
-@pytest.mark.parametrize("dropped,tail,kept", [(20, 4, True), (24, 4, False), (24, 8, True)])
-def test_l2_part_kept_when_the_window_before_its_end_is_held(dropped, tail, kept):
-    """An L1 part with tombstones, then `tail` tokens only L2 holds: the match keeps its L2 part
-    when the W tokens before its end hold their window parts on L1 or come from L2; cut back
-    otherwise. Without the load, the request resumes after `device_prefix`, cut where the window
-    before the L1 part's end is missing."""
+@pytest.mark.parametrize("dropped,tail,repair", [(20, 4, 0), (24, 4, 4), (24, 8, 0)])
+def test_with_l2_a_missing_window_is_repaired_not_cut(dropped, tail, repair):
+    """An L1 part with tombstones (each with its L2 copy), then `tail` tokens only L2 holds: the
+    match keeps both and names the L1 tokens of the window before its end whose window parts a
+    load-back restores (`repair`; none when L1 holds them or the L2 part covers the window).
+    Without the load, the request resumes after `device_prefix`, cut where the window before
+    the L1 part's end is missing."""
     alloc, tree, seq, slots = cached(host=True)
     host = tree.host_allocator
     for node in list(tree.nodes()):
@@ -99,8 +100,10 @@ def test_l2_part_kept_when_the_window_before_its_end_is_held(dropped, tail, kept
     ext = seq + list(range(200, 200 + tail))
     assert tree.insert_host(ext, host.alloc(tail), 24) == 0
     m = tree.match(ext)
-    assert (m.device_slots.numel(), m.host_hit_tokens) == ((24, tail) if kept else (0, 0))
+    assert (m.device_slots.numel(), m.host_hit_tokens, m.repair) == (24, tail, repair)
     alone = tree.device_prefix(m)
-    assert alone.host_hit_tokens == 0 and alone.device_slots.numel() == (24 if dropped <= 16 else 0)
-    assert tree.match(ext, whole=True).host_hit_tokens == tail
+    assert (alone.host_hit_tokens, alone.repair) == (0, 0)
+    assert alone.device_slots.numel() == (24 if dropped <= 16 else 0)
+    branch = tree.match(seq[:16] + [7] * 4)  # ends inside the tombstones: all of its window comes back
+    assert (branch.device_slots.numel(), branch.host_hit_tokens, branch.repair) == (16, 0, 8)
     tree.check_integrity()

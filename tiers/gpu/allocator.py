@@ -38,14 +38,24 @@ class WindowedAllocator:
         if num_tokens > self.windows.num_free_tokens():
             return None
         slots = self.full.alloc(num_tokens)
-        if slots is None:
-            return None
-        window = self.windows.alloc(num_tokens)
+        if slots is not None:
+            self._map(slots, self.windows.alloc(num_tokens))
+        return slots
+
+    def restore_window(self, slots: torch.Tensor) -> bool:
+        """Gives `slots` (whole pages of held global slots, none holding its window part) fresh
+        window parts; False, changing nothing, when the windowed pool is short."""
+        window = self.windows.alloc(slots.numel())
+        if window is None:
+            return False
+        self._map(slots, window)
+        return True
+
+    def _map(self, slots: torch.Tensor, window: torch.Tensor) -> None:
         self.window_map[slots] = window
         if self.device_map is not self.window_map:
             pair = torch.stack([slots, window]).pin_memory().to(self.device_map.device, non_blocking=True)
             self.device_map[pair[0]] = pair[1]
-        return slots
 
     def free(self, slots: torch.Tensor) -> None:
         self.free_window(slots)
