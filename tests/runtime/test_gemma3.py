@@ -203,14 +203,15 @@ def test_branches_inside_tombstoned_prefixes_match_hf(gemma):
 
 @pytest.mark.parametrize("host", [True, False])
 def test_branch_inside_tombstones_repaired_from_l2_matches_hf(gemma, host):
-    """A finished 70-token request leaves tombstones before its last W tokens; a prompt that
-    branches off at token 40 finds those 40 tokens cached with an L2 (the window parts of tokens
+    """A finished 70-token request leaves tombstones before its last W tokens, whose window slots
+    another request reuses; a prompt that branches off at token 40 finds those 40 tokens cached with an L2 (the window parts of tokens
     32..39 come back from their L2 copies), none without; both outputs equal HF's."""
     folder, hf = gemma
-    rng = random.Random(9)
+    rng = random.Random(11)  # (a branch whose greedy output depends on that window)
     base = [rng.randrange(3, VOCAB) for _ in range(70)]
     branch = base[:40] + [rng.randrange(3, VOCAB) for _ in range(9)]
     sched = scheduler(folder, total=256, disable_hierarchical_cache=not host)
-    got = {**run(sched, [base], "a"), **run(sched, [branch], "b")}
+    filler = prompts(10, (60,))  # computed in between, over the window slots the tombstones gave back
+    got = {**run(sched, [base], "a"), **run(sched, filler, "f"), **run(sched, [branch], "b")}
     assert got["a0"][0] == greedy(hf, base, NEW)[0] and got["b0"][0] == greedy(hf, branch, NEW)[0]
     assert got["b0"][1]["cached_tokens"] == (40 if host else 0)
