@@ -89,10 +89,11 @@ def test_batched_chunked_retracted_then_from_host_match_hf(gemma):
 def test_windowed_pool_on_cuda_matches_hf(gemma, io):
     """The CUDA path over the windowed layers' own pool, fp32: the Triton store, extend and decode
     kernels and the decode CUDA graphs reading translated slots; with an L2 (`io`: its copy
-    backend), backups and windowed load-backs through the window map."""
+    backend), backups, windowed load-backs and window repairs through the window map."""
     runtime = dict(device="cuda", dtype="float32", attention_backend="triton")
     cache = dict(disable_hierarchical_cache=True) if io == "none" else dict(hicache_io_backend=io)
     two_rounds(*gemma, scheduler(gemma[0], runtime=runtime, **cache), host=io != "none")
+    branch_after_tombstones(*gemma, scheduler(gemma[0], 256, runtime, **cache), host=io != "none")
 
 
 def two_rounds(folder, hf, sched, host: bool = True):
@@ -204,13 +205,16 @@ def test_branches_inside_tombstoned_prefixes_match_hf(gemma):
 @pytest.mark.parametrize("host", [True, False])
 def test_branch_inside_tombstones_repaired_from_l2_matches_hf(gemma, host):
     """A finished 70-token request leaves tombstones before its last W tokens, whose window slots
-    another request reuses; a prompt that branches off at token 40 finds those 40 tokens cached with an L2 (the window parts of tokens
-    32..39 come back from their L2 copies), none without; both outputs equal HF's."""
-    folder, hf = gemma
+    another request reuses; a prompt that branches off at token 40 finds those 40 tokens cached
+    with an L2 (the window parts of tokens 32..39 come back from their L2 copies), none without;
+    both outputs equal HF's."""
+    branch_after_tombstones(*gemma, scheduler(gemma[0], total=256, disable_hierarchical_cache=not host), host)
+
+
+def branch_after_tombstones(folder, hf, sched, host: bool) -> None:
     rng = random.Random(11)  # (a branch whose greedy output depends on that window)
     base = [rng.randrange(3, VOCAB) for _ in range(70)]
     branch = base[:40] + [rng.randrange(3, VOCAB) for _ in range(9)]
-    sched = scheduler(folder, total=256, disable_hierarchical_cache=not host)
     filler = prompts(10, (60,))  # computed in between, over the window slots the tombstones gave back
     got = {**run(sched, [base], "a"), **run(sched, filler, "f"), **run(sched, [branch], "b")}
     assert got["a0"][0] == greedy(hf, base, NEW)[0] and got["b0"][0] == greedy(hf, branch, NEW)[0]
