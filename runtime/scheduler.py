@@ -221,13 +221,10 @@ class Scheduler:
                 if added == 0:  # no budget, or no room without retracting: plan once `after` is applied
                     return None
                 budget -= added
-        retractions = self.counters["retractions"]
         for req in sorted(self.running, key=lambda r: r.arrival_seq) if after is None else ():
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
                 budget -= self._add_chunk(plan, req, budget)
-        if self.counters["retractions"] > retractions:  # memory is short: the running requests go first
-            budget = 0
         if after is None and any(r.grammar is not None and start >= len(r.input_ids)
                                  for r, start in zip(plan.reqs, plan.starts)):
             self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests

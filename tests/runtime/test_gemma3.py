@@ -186,16 +186,18 @@ def test_window_parts_dropped_multi_turn_match_hf(gemma, tmp_path, kind):
     assert all(got[f"t1{i}"][1]["cached_tokens"] >= len(p) - WINDOW for i, p in enumerate(first))
 
 
-def test_branches_inside_tombstoned_prefixes_match_hf(gemma):
-    """Prompts that share a 60-token prefix and branch inside it, in a small L1 with an L2: a
-    branch whose window lies in tombstones recomputes it (the L1 part is cut back), the memory
-    that costs retracts requests, and the running ones still finish (a step that had to retract
-    for a running request's chunk admits no one); every output equals HF's."""
+@pytest.mark.parametrize("host,overlap", [(True, False), (True, True), (False, True)])
+def test_branches_inside_tombstoned_prefixes_match_hf(gemma, host, overlap):
+    """Prompts that share a 60-token prefix and branch inside it, in a small L1 (retractions):
+    with an L2 a branch whose window lies in tombstones gets it back from L2 (a retracted request
+    finds what it computed again), without one it recomputes it. Every output equals HF's, with
+    overlap scheduling too (without an L2: window parts given back while the next step runs)."""
     folder, hf = gemma
     rng = random.Random(5)
     base = [rng.randrange(3, VOCAB) for _ in range(60)]
     batch = [base + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (3, 9, 14, 0)] + prompts(7, (33, 50))
-    sched = scheduler(folder, total=160)
+    sched = scheduler(folder, total=160, runtime=dict(enable_overlap_schedule=overlap),
+                      disable_hierarchical_cache=not host)
     got = run(sched, batch, "s")
     for i, p in enumerate(batch):
         assert got[f"s{i}"][0] == greedy(hf, p, NEW)[0], i
