@@ -28,11 +28,12 @@ import torch
 
 from hicache.config import WRITE_POLICIES
 from hicache.decide import LoadDecider
-from hicache.loadback import LoadBack, window_cut, windowless_nodes
+from hicache.loadback import LoadBack, window_cut, window_repair, windowless_nodes
 from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
-from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult
+from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult, window_of
 from hicache.transfers import Op, Transfers
+from hicache.windows import WindowDrops
 from hicache.tree import MatchResult, RadixTree, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class CacheController:
         self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
         self.enabled = host_pool is not None and not tree.disabled
         self.window = window
+        self.windowed = bool(window_of(tree.allocator))  # L1 keeps the windowed layers' KV apart
         self._stale: list[TreeNode] = []
+        self.window_drops = WindowDrops(tree, deferred=self.enabled)
         self.counters = collections.Counter()
         self.storage: StorageController | None = None
         self.decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
@@ -132,50 +135,67 @@ class CacheController:
 
         With a sliding window W, the windowed layers load only the tokens from a page before the
         last W + page of the loaded prefix: the caller computes from the prefix's end, so its
-        windowed layers never read the tokens before. The nodes wholly before that cut hold
-        untrusted windowed KV on L1: they are marked stale, so that no other match ends in or
-        passes through them, and their L1 copies (with everything below) are dropped once the
-        caller unlocks them (their L2 copies stay whole).
+        windowed layers never read the tokens before. The nodes wholly before that cut hold no
+        windowed KV on L1: tombstones where L1 keeps the windowed layers apart, else stale nodes
+        (no other match ends in or passes through them; their L1 copies, with everything below,
+        are dropped once the caller unlocks them). Their L2 copies stay whole. The tokens of the
+        window before the prefix's end that lack their window parts on L1 (`match.repair`) get
+        them back, their windowed layers loaded from L2 with the rest: a match may be all repair.
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
 
-        if not self.enabled or match.host_hit_tokens < self.load_back_min_tokens:
+        fix = window_repair(self.tree.allocator, match) if match.repair else None
+        if not self.enabled or (match.host_hit_tokens < self.load_back_min_tokens and fix is None):
             if match.host_hit_tokens:
                 self.counters["load_back_recomputed_tokens"] += match.host_hit_tokens
             return refuse("short")
         queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
-        if not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
+        if fix is None and not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
             return refuse("slow")
         cut = window_cut(self.tree, match, self.window)
         chain = self.tree.load_chain(match.last_host_node)
-        n = sum(len(node.key) for node in chain)
-        host = torch.cat([node.host_slots for node in chain])
-        for node in chain:  # so that making room (write_back copies into L2) cannot evict them
+        n, r = sum(len(node.key) for node in chain), 0 if fix is None else fix.device_slots.numel()
+        host = torch.cat([node.host_slots for node in chain]) if chain else match.device_slots[:0]
+        pinned = chain + (fix.nodes if fix is not None else [])
+        for node in pinned:  # so that making room (write_back copies into L2) cannot evict them
             node.host_pin += 1
-        slots = self._alloc_device(n, extra_tokens)
-        for node in chain:
+        slots = self._alloc_device(n, extra_tokens + r)
+        for node in pinned:
             node.host_pin -= 1
         if slots is None:
             self.counters["load_back_deferred"] += 1
             return refuse("room")
-        self.tree.attach_device(chain, slots)
-        last = chain[-1]
-        self.tree.lock(last)  # the caller's lock moves down to the loaded part
-        self.tree.unlock(match.last_node)
-        load = (lambda: self.transfer.load(host, slots, skip=cut)) if cut else (lambda: self.transfer.load(host, slots))
-        ticket = self.transfers.submit("load", chain, (last,), load)
+        last = match.last_node
+        if chain:
+            self.tree.attach_device(chain, slots)
+            last = chain[-1]
+            self.tree.lock(last)  # the caller's lock moves down to the loaded part
+            self.tree.unlock(match.last_node)
+        options = {"skip": cut} if cut else {}
+        if r:
+            self.tree.allocator.restore_window(fix.device_slots)
+            options["repair"] = (fix.host_slots, fix.device_slots)
+        ticket = self.transfers.submit("load", pinned, (last,), lambda: self.transfer.load(host, slots, **options))
         self.collect()
         if ticket in self.transfers.failed:  # failed at once: nobody used the pages; undo and recompute
             del self.transfers.failed[ticket]
-            self.tree.lock(match.last_node)
-            self.tree.unlock(last)
+            if chain:
+                self.tree.lock(match.last_node)
+                self.tree.unlock(last)
+            for node in fix.nodes if r else ():  # their global parts are intact: tombstones again
+                node.stale = False
+            if r:
+                self.tree.allocator.free_window(fix.device_slots)
             self.drop_stale()
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")
         for node in windowless_nodes(chain, cut):
-            node.stale = True
-            self._stale.append(node)
+            if self.windowed:
+                self.tree.allocator.free_window(node.device_slots)
+            else:
+                node.stale = True
+                self._stale.append(node)
         return LoadBack(slots, last, ticket)
 
     def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
@@ -189,8 +209,13 @@ class CacheController:
 
     # ---- insert and write policy ----------------------------------------------------------
 
-    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0) -> int:
+    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0,
+               drop_window: tuple[int, int] | None = None) -> int:
         """`RadixTree.insert` (same ownership contract), then the write policy's backups.
+
+        `drop_window` (start, stop), where L1 keeps the windowed layers apart: the pages of
+        `token_ids[start:stop]` that the tree takes from the caller now lose their window parts
+        (`hicache/windows.py`); pages it held already keep theirs.
 
         Uses of a page: the prefill that computed it (the first `prompt_tokens` of `token_ids`
         were computed by prefill) and every insert that finds it cached. `write_through` backs up
@@ -210,6 +235,8 @@ class CacheController:
                     todo.append(node)
             if todo:
                 self._backup(todo)
+        if drop_window is not None:
+            self.window_drops.drop(token_ids, namespace, max(present, drop_window[0]), drop_window[1])
         return present
 
     def _backup(self, nodes: list[TreeNode], lock: bool = True) -> int | None:
@@ -247,7 +274,13 @@ class CacheController:
 
     def evict_device(self, num_tokens: int) -> int:
         """Frees at least `num_tokens` of L1 if the tree can (see the module docstring)."""
-        freed = self.tree.evict(num_tokens, self._copy_down if self.enabled else None)
+        backup = self._copy_down if self.enabled else None
+        alloc = self.tree.allocator
+        target = alloc.num_free_tokens() + num_tokens
+        freed = more = self.tree.evict(num_tokens, backup)
+        while more and self.windowed and alloc.num_free_tokens() < target:  # short of window slots
+            more = self.tree.evict(target - alloc.num_free_tokens(), backup)
+            freed += more
         self.counters["device_evicted_tokens"] += freed
         return freed
 
@@ -296,6 +329,7 @@ class CacheController:
         self.drop_stale()
         self.start_loads()
         self.collect()
+        self.window_drops.sweep()
         if self.storage is not None:
             self.storage.poll()
         return self.transfers.take_failed()
@@ -349,6 +383,7 @@ class CacheController:
             return False
         self.tree.reset()
         self._stale = []
+        self.window_drops.reset()
         return True
 
     def host_stats(self) -> dict:

@@ -1,13 +1,15 @@
-"""The load-back's result (`LoadBack`) and its sliding-window cut: with a window W, the windowed
+"""The load-back's result (`LoadBack`) and its sliding-window parts: with a window W, the windowed
 layers of a load-back skip the tokens before the last W + page of the loaded prefix
-(`window_cut`), and the nodes wholly before that cut hold untrusted windowed KV on L1
-(`windowless_nodes`)."""
+(`window_cut`), the nodes wholly before that cut hold untrusted windowed KV on L1
+(`windowless_nodes`), and the tokens of the window before the prefix's end that lack their
+window parts on L1 get them back from L2 (`window_repair`)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 
+from hicache.tiers.base import PageAllocator
 from hicache.tree import MatchResult, RadixTree, TreeNode
 
 
@@ -45,3 +47,29 @@ def windowless_nodes(chain: list[TreeNode], cut: int) -> list[TreeNode]:
             break
         out.append(node)
     return out
+
+
+class Repair(NamedTuple):
+    """The tokens of a match's `repair` tail that lack their window parts on L1."""
+
+    nodes: list[TreeNode]  # the nodes they belong to
+    device_slots: torch.Tensor  # [r] int64, CPU: their L1 slots
+    host_slots: torch.Tensor  # [r] int64, CPU: their L2 copies (every tombstone on L1 has one)
+
+
+def window_repair(allocator: PageAllocator, match: MatchResult) -> Repair:
+    nodes, device, host = [], [], []
+    node, stop = match.last_node, match.device_slots.numel()
+    start = stop - match.repair
+    while node.parent is not None and stop > start:
+        first = stop - len(node.key)
+        d = node.device_slots[max(0, start - first):]
+        absent = ~allocator.window_present(d)
+        if bool(absent.any()):
+            assert node.host_slots is not None, f"{node!r}: a tombstone on L1 without an L2 copy"
+            nodes.append(node)
+            device.append(d[absent])
+            host.append(node.host_slots[max(0, start - first):][absent])
+        stop, node = first, node.parent
+    empty = match.device_slots[:0]
+    return Repair(nodes, torch.cat(device) if device else empty, torch.cat(host) if host else empty)

@@ -19,7 +19,7 @@ import torch
 
 from hicache.controller import CacheController
 from hicache.prefetch import StorageRange
-from hicache.tiers.base import RequestTable
+from hicache.tiers.base import RequestTable, window_of
 from hicache.tree import MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -31,7 +31,7 @@ class Lease:
     request-to-token table while it holds KV. `namespace` keys its prefix in the tree (cache salt);
     `owner` is the caller's (the request)."""
 
-    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "_node", "_loads")
+    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "_node", "_loads", "_trimmed")
 
     def __init__(self, namespace: str = "", owner: object = None):
         self.namespace, self.owner = namespace, owner
@@ -40,6 +40,7 @@ class Lease:
         self.prefix_len = 0
         self._node = None  # the tree node its lock sits on
         self._loads: frozenset[int] = frozenset()  # load-backs its prefix still waits for
+        self._trimmed = 0  # its own slots before this one hold no window part (`CacheManager.trim_window`)
 
     @property
     def held(self) -> bool:
@@ -93,6 +94,8 @@ class CacheManager:
         self.req_table = req_table
         self.page_size = controller.tree.page_size
         self.storage = controller.storage
+        # a running request drops the window parts it no longer reads only where no L2 needs them whole
+        self.window = window_of(self.allocator) if not controller.enabled else 0
 
     @property
     def disabled(self) -> bool:
@@ -126,19 +129,30 @@ class CacheManager:
         if lease.row is None:
             self.drop(lease)
             return None
-        loaded = 0
-        if load and m.host_hit_tokens:
+        loaded, ready = 0, not (m.host_hit_tokens or m.repair)
+        if load and not ready:
             back = self.controller.load_back(m, load_room)
             if back.refused == "room":
                 self.drop(lease)
                 return None
             if not back.refused:
                 lease._node, lease.slots = back.last_node, torch.cat([lease.slots, back.device_slots])
-                loaded = back.device_slots.numel()
+                loaded, ready = back.device_slots.numel(), True
+        if not ready:  # its L1 part alone: where the window before its end is held
+            self._resume_on_l1(lease, m)
         lease.prefix_len = lease.slots.numel()
         self.req_table.write(lease.row, 0, lease.slots)
         lease._loads = self.controller.pending_loads(lease._node)
         return Admission(lease.prefix_len, loaded)
+
+    def _resume_on_l1(self, lease: Lease, m: MatchResult) -> None:
+        """The lease's prefix is the L1 part of `m` (its L2 part not loaded), cut back where L1
+        keeps the windowed layers apart and lacks the window before that part's end."""
+        cut = self.tree.device_prefix(m)
+        if cut.last_node is not m.last_node:
+            self.controller.lock(cut.last_node)
+            self.controller.unlock(m.last_node)
+            lease._node, lease.slots = cut.last_node, cut.device_slots
 
     def grow(self, lease: Lease, upto: int, headroom: int = 0) -> bool:
         """Extends the lease's slots to cover `upto` tokens (whole pages), evicting the tree if
@@ -179,6 +193,18 @@ class CacheManager:
         self.req_table.scatter(rows, cols, torch.cat(parts))
         return True
 
+    def trim_window(self, lease: Lease, computed: int) -> None:
+        """Where L1 keeps the windowed layers apart and there is no L2: the request has computed
+        `computed` tokens and reads no windowed KV before token computed - W again, so its own
+        whole pages before that give their window parts back."""
+        if not self.window or lease.row is None:
+            return
+        start = max(lease._trimmed, lease.prefix_len)
+        stop = max(0, computed - self.window) // self.page_size * self.page_size
+        if stop > start:
+            self.allocator.free_window(lease.slots[start:stop])
+            lease._trimmed = stop
+
     def _need(self, lease: Lease, upto: int) -> int:
         """Slots the lease lacks to cover `upto` tokens in whole pages (<= 0: none)."""
         return -(-upto // self.page_size) * self.page_size - lease.slots.numel()
@@ -190,12 +216,23 @@ class CacheManager:
         if lease._node is None:
             return
         kv = len(token_ids) if keep else lease.prefix_len
-        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens) if kv else 0
-        taken_end = present if self.disabled else kv // self.page_size * self.page_size
+        taken_end = 0 if self.disabled else kv // self.page_size * self.page_size
+        drop = self._window_drop(lease, taken_end)
+        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens,
+                                         drop) if kv else 0
+        taken_end = present if self.disabled else taken_end
         self.allocator.free(lease.slots[lease.prefix_len:max(present, lease.prefix_len)])
         self.allocator.free(lease.slots[max(taken_end, lease.prefix_len):])
         self.drop(lease)
         self.controller.drop_stale()  # (nodes of failed loads, and those a windowed load-back left untrusted)
+
+    def _window_drop(self, lease: Lease, end: int) -> tuple[int, int] | None:
+        """The range of the lease's own pages the tree takes without their window parts: those
+        before the last W tokens of the `end` it caches (None: L1 keeps no windowed layers apart)."""
+        window = window_of(self.allocator)
+        if not window:
+            return None
+        return lease.prefix_len, max(0, end - window) // self.page_size * self.page_size
 
     def publish(self, lease: Lease, token_ids: list[int]) -> None:
         """Caches the KV the lease has computed of `token_ids` (whole pages) while its request goes
@@ -222,6 +259,7 @@ class CacheManager:
         if lease.row is not None:
             self.req_table.free(lease.row)
         lease.row, lease._node, lease.slots, lease.prefix_len, lease._loads = None, None, _EMPTY, 0, frozenset()
+        lease._trimmed = 0
 
     # ---- transfers -------------------------------------------------------------------------
 
@@ -312,10 +350,14 @@ class CacheManager:
     def tier_stats(self, hits: dict[str, int], bytes_per_token: int) -> dict:
         """Per-tier occupancy and traffic; `hits`: tokens served from each tier."""
         a = self.allocator
-        device = {"used_tokens": a.capacity_tokens() - a.num_free_tokens(), "capacity_tokens": a.capacity_tokens(),
+        free = a.num_free_global_tokens() if window_of(a) else a.num_free_tokens()
+        device = {"used_tokens": a.capacity_tokens() - free, "capacity_tokens": a.capacity_tokens(),
                   "cached_tokens": self.tree.total_tokens(), "hit_tokens": hits["device"],
                   "evicted_tokens": self.controller.counters["device_evicted_tokens"],
                   "bytes_per_token": bytes_per_token}
+        if window_of(a):  # the windowed layers' pool: slots holding a token's window part
+            device.update(window_used_tokens=a.window_capacity_tokens() - a.num_free_window_tokens(),
+                          window_capacity_tokens=a.window_capacity_tokens())
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
         host = dict(self.controller.host_stats(), hit_tokens=hits["host"]) if self.controller.enabled else dict(empty)
         storage = dict(self.storage.stats(), hit_tokens=hits["storage"]) if self.storage is not None else dict(empty)

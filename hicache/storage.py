@@ -77,7 +77,7 @@ class StorageController:
         """On arrival: query L3 for the pages of `token_ids` beyond the L1 + L2 match."""
         ps = self.page_size
         end = len(token_ids) // ps * ps
-        m = self.tree.match(token_ids[:end], namespace)
+        m = self.tree.match(token_ids[:end], namespace, whole=True)
         start = m.device_slots.numel() + m.host_hit_tokens
         if end - start < max(self.options.prefetch_threshold, ps):
             return
@@ -174,7 +174,7 @@ class StorageController:
         """Reserves L2 pages for the L3 hits of a deferred `op` beyond what the cache holds now and
         starts its fetch. False (it stays deferred) while L2 has no room for them."""
         ps = self.page_size
-        m = self.tree.match(op.tokens, op.namespace)  # the cache may have moved since arrival
+        m = self.tree.match(op.tokens, op.namespace, whole=True)  # the cache may have moved since arrival
         now = m.device_slots.numel() + m.host_hit_tokens
         skip = (now - op.start) // ps
         n = op.hits - skip

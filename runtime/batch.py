@@ -1,6 +1,7 @@
 """What one scheduling step runs: the scheduler's plan and the runner's tensors for it."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -69,10 +70,36 @@ class ForwardBatch:
     kv_lens: list[int] = field(default_factory=list)  # per request: KV tokens once the pass has run
     graph_state: Any = None  # inside a captured decode graph: the backend's state for its batch size
     wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, before each attention
+    window: ForwardBatch | None = None  # with a windowed pool: this batch over the windowed layers' slots
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:
             self.wait_kv(layer_id)
+
+    def for_layer(self, layer_id: int) -> ForwardBatch:
+        """The batch whose slots index layer `layer_id`'s buffers: `window` for a windowed layer
+        of a pool that keeps those layers apart, else this one."""
+        if self.window is not None and layer_id in self.pool.window_layers:
+            return self.window
+        return self
+
+    def attach_window(self, width: int) -> None:
+        """Sets `window` when the pool keeps its windowed layers apart: every slot translated
+        through the pool's window map (a slot without its window part reads window slot 0, which
+        the kernels mask: it lies before every query's window), and the request-to-token table
+        cut to this batch's rows (row i: request i, `width` columns)."""
+        if not self.pool.window_layers:
+            return
+        wmap = self.pool.allocator.device_map
+
+        def tr(t: torch.Tensor) -> torch.Tensor:
+            return wmap[t].clamp_(min=0)
+
+        table = None if self.req_to_token is None else tr(self.req_to_token[self.req_rows, :width])
+        rows = None if table is None else torch.arange(table.shape[0], device=table.device)
+        self.window = dataclasses.replace(
+            self, out_cache_loc=tr(self.out_cache_loc), token_slots=[tr(s) for s in self.token_slots],
+            slot_table=None if self.slot_table is None else tr(self.slot_table), req_to_token=table, req_rows=rows)
 
 
 class StepOutput(NamedTuple):

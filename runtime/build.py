@@ -82,15 +82,20 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     cfg, heads = loaded.config, loaded.num_kv_heads
     device = next(loaded.model.parameters()).device
     dtype = next(loaded.model.parameters()).dtype
-    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads), device)
+    windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
+    ratio = rc.swa_full_tokens_ratio if windows and not tp.sharded else 0.0  # (TP ranks keep one pool)
+    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio), device)
     if num_tokens < cc.page_size:
         raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
-    context = served_context(rc.context_length or cfg.max_position_embeddings, num_tokens)
-    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.head_dim, dtype, device)
+    window_tokens = int(num_tokens * ratio) // cc.page_size * cc.page_size
+    # with an L2 a running request keeps every window part it computed: its context fits the windowed pool
+    held = window_tokens if window_tokens and cc.hierarchical else num_tokens
+    context = served_context(rc.context_length or cfg.max_position_embeddings, min(num_tokens, held))
+    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.head_dim, dtype, device,
+                        frozenset(windows), max(windows.values(), default=0), window_tokens)
     pages_per_req = -(-context // cc.page_size)
     req_table = table_class(rc.max_running_requests, pages_per_req * cc.page_size, device)
     host_pool = build_host_pool(cc, pool, cfg, dtype, heads) if cc.hierarchical else None
-    windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks, frozenset(windows))
@@ -118,8 +123,9 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     args = (loaded.model, pool, parts.req_table, parts.attn, parts.device)
     options = {"cuda_graph": not rc.disable_cuda_graph, "max_batch": rc.max_running_requests}
     runner = ModelRunner(*args, **options) if ranks is None else TPModelRunner(ranks, *args, **options)
-    logger.info("L1 KV pool: %d tokens (%.1f MiB), context %d", pool.num_slots,
-                pool.num_slots * pool.bytes_per_token() / 2**20, parts.context)
+    nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
+    logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
+                f"; windowed layers: {pool.window_slots} slots" if pool.window_layers else "", parts.context)
     return Components(cfg, loaded.tokenizer, pool, CacheManager(controller, parts.req_table), runner, parts.context,
                       cfg.name)
 
@@ -189,13 +195,16 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   page_size: int, kv_heads: int) -> int:
+                   page_size: int, kv_heads: int, window_ratio: float = 0.0) -> int:
     """L1 size in tokens of `kv_heads` heads (this rank's): `max_total_tokens` when given, else
     `mem_fraction_static` of the device memory minus what is already used (on CPU: of available
-    RAM, page cache included, capped at CPU_KV_CAP_BYTES)."""
+    RAM, page cache included, capped at CPU_KV_CAP_BYTES). With `window_ratio`, the windowed
+    layers' pool holds that many slots per token (and the global layers' one each)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
-    per_token = DeviceKVPool.token_bytes(cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    windowed = sum(1 for w in cfg.layer_windows if w) if window_ratio else 0
+    layers = cfg.num_layers - windowed + window_ratio * windowed
+    per_token = DeviceKVPool.token_bytes(1, kv_heads, cfg.head_dim, dtype) * layers
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)

@@ -19,6 +19,7 @@ class RuntimeConfig:
     context_length: int | None = field(default=None, metadata={"help": "Max prompt + output tokens; default: the model's, or the L1 pool's size if smaller (a running request holds all its KV in L1)."})
     max_total_tokens: int | None = field(default=None, metadata={"help": "L1 KV pool size in tokens (overrides mem_fraction_static)."})
     mem_fraction_static: float = field(default=0.85, metadata={"help": "Fraction of device memory for weights + L1 KV pool (on CPU: of available host memory, capped)."})
+    swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": "For a model with sliding-window layers: slots of the windowed layers' L1 pool per slot of the global layers' pool (a token's windowed-layer KV is kept only while some request or cached prefix reads it)."})
     max_running_requests: int = field(default=256, metadata={"help": "Max requests in one batch."})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
     max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
@@ -55,5 +56,7 @@ class RuntimeConfig:
             raise ValueError("max_running_requests must be >= 1")
         if not 0 < self.prefill_ahead_l1_share <= 1:
             raise ValueError(f"prefill_ahead_l1_share must be in (0, 1], got {self.prefill_ahead_l1_share}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")

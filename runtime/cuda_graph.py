@@ -61,6 +61,7 @@ class DecodeGraphs:
         batch = ForwardBatch("decode", self.attn, self.pool, table[rows, positions], [1] * bs, [],
                              req_to_token=table, req_rows=rows, seq_lens=seq_lens,
                              max_seq_len=self.req_table.max_context, graph_state=self.states[bs])
+        batch.attach_window(self.req_table.max_context)
         return self.model.compute_logits(self.model(ids, positions, batch))
 
     @torch.inference_mode()

@@ -121,6 +121,7 @@ class ModelRunner:
         if plan.mode == "decode":
             batch.seq_lens = batch.prefix_lens + 1
             batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]
+        batch.attach_window(batch.max_seq_len)
         ids_dev = input_ids if input_ids is not None else meta[4 * n + total:]
         return ids_dev, meta[4 * n:4 * n + total], batch
 

@@ -401,6 +401,7 @@ class Scheduler:
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
+            self.cache.trim_window(req.lease, req.kv_len)
             if plan.mode == "extend" and not (plan.joined and plan.starts[i] >= len(req.input_ids)):
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
                 if req.publish_prompt and req.kv_len >= len(req.input_ids):

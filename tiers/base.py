@@ -37,6 +37,43 @@ class PageAllocator(Protocol):
         ...
 
 
+class WindowedPageAllocator(PageAllocator, Protocol):
+    """L1 of a model with sliding-window layers (window W): a slot is a token's place in the
+    global layers' pool, and while the token's windowed-layer KV (its window part) is held, also
+    in the windowed layers' pool. `alloc` takes both parts, `free` gives back both,
+    `free_window(slots)` only the window part of whole pages (a tombstone). `num_free_tokens()`
+    counts tokens `alloc` can take (the fewer of the two pools' free slots)."""
+
+    window: int
+
+    def free_window(self, slots: torch.Tensor) -> None: ...
+
+    def restore_window(self, slots: torch.Tensor) -> bool:
+        """Fresh window parts for `slots` (whole pages lacking them); False when short."""
+        ...
+
+    def window_present(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n] bool: which of `slots` hold their window part."""
+        ...
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The windowed layers' slots of `slots` (-1 where absent), int64 CPU."""
+        ...
+
+    def num_free_window_tokens(self) -> int: ...
+
+    def num_free_global_tokens(self) -> int: ...
+
+    def window_capacity_tokens(self) -> int: ...
+
+    def free_window_slots(self) -> torch.Tensor: ...
+
+
+def window_of(allocator: PageAllocator | None) -> int:
+    """The window W of a `WindowedPageAllocator`, 0 for any other allocator."""
+    return getattr(allocator, "window", 0) or 0
+
+
 class PagedAllocator:
     """Free list of pages over `num_pages * page_size` token slots.
 
@@ -169,7 +206,11 @@ class TransferEngine(Protocol):
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int: ...
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer=None) -> int: ...
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer=None) -> int:
+        """(An engine over a device pool with sliding-window layers also takes `skip`, the leading
+        slots whose windowed layers it leaves out, and `repair`, the (host, device) slots of
+        tokens on L1 whose windowed layers alone it copies: `HostTransferEngine.load`.)"""
+        ...
 
     def poll(self) -> list[TransferResult]: ...
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from hicache.pagekey import chain_keys
+from hicache.tiers.base import window_of
 
 if TYPE_CHECKING:
     from hicache.tree import RadixTree, TreeNode
@@ -53,6 +54,8 @@ def check_tree(tree: RadixTree, held_slots: torch.Tensor | None = None,
     host_total = sum(s.numel() for s in host)
     assert host_total == tree._host, f"host token counter {tree._host}, actual {host_total}"
     _check_slots("device", tree.allocator, _cat(device), held_slots)
+    if window_of(tree.allocator):
+        _check_windows(tree, _cat(device), held_slots)
     if tree.host_allocator is not None:
         _check_slots("host", tree.host_allocator, _cat(host), held_host_slots)
     else:
@@ -80,6 +83,38 @@ def _check_node(tree: RadixTree, node: TreeNode) -> None:
     assert node.host_pin >= 0, f"{node!r}: negative host_pin"
     assert node.host_pin == 0 or node.host_slots is not None, f"{node!r}: pinned but not on the host"
     assert not node.stale or node.device_slots is not None, f"{node!r}: stale without a device copy"
+
+
+def _check_windows(tree: RadixTree, owned: torch.Tensor, held: torch.Tensor | None) -> None:
+    """The windowed layers' pool: window parts whole pages; every window slot free or the part
+    of one tree-owned or held slot (none of a free slot); with an L2, a tree node lacking some
+    window part has its L2 copy (which is whole: the window part was dropped after the backup)."""
+    a, ps = tree.allocator, tree.page_size
+    held = torch.empty(0, dtype=torch.int64) if held is None else held.to(torch.int64).reshape(-1)
+    for name, slots in (("tree", owned), ("held", held)):
+        present = a.window_present(slots).view(-1, ps)
+        assert bool((present.all(1) | ~present.any(1)).all()), f"a {name} page holds part of its window part"
+    assert not bool(a.window_present(a.free_slots()).any()), "a free slot holds a window part"
+    parts = a.window_slots(torch.cat([owned, held]))
+    parts = parts[parts >= 0]
+    _check_slots("window", _WindowView(a), parts, None)
+    if tree.host_allocator is not None:
+        for node in tree.nodes():
+            if node.device_slots is not None and not bool(a.window_present(node.device_slots).all()):
+                assert node.host_slots is not None, f"{node!r}: a tombstone on L1 without an L2 copy"
+
+
+class _WindowView:
+    """The windowed layers' pool of a `WindowedPageAllocator`, as `_check_slots` reads an allocator."""
+
+    def __init__(self, allocator):
+        self._a = allocator
+
+    def free_slots(self) -> torch.Tensor:
+        return self._a.free_window_slots()
+
+    def capacity_tokens(self) -> int:
+        return self._a.window_capacity_tokens()
 
 
 def _check_page_keys(tree: RadixTree, node: TreeNode, seed: Callable[[str], bytes] | None) -> None:

@@ -63,6 +63,9 @@ class MatchResult(NamedTuple):
     last_node: TreeNode  # deepest matched node on the device (the namespace root if none)
     host_hit_tokens: int = 0  # tokens after the L1 part that only L2 holds (whole pages)
     last_host_node: TreeNode | None = None  # deepest matched node overall (last_node when no L2 part)
+    # tokens at the end of the L1 part whose missing window parts (where L1 keeps the windowed layers
+    # apart) a load-back restores from their L2 copies before a request may resume there
+    repair: int = 0
 
 
 def _slice(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:

@@ -7,10 +7,11 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, UseClock, get_strategy, smoothed_gap
-from hicache.tiers.base import PageAllocator
+from hicache.tiers.base import PageAllocator, window_of
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
 from hicache.tree.residency import Residency
+from hicache.tree.window import window_end, window_held
 
 
 class RadixTree(Residency):
@@ -56,21 +57,24 @@ class RadixTree(Residency):
 
     # ---- match / insert -------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
+    def match(self, token_ids: Sequence[int], namespace: str = "", whole: bool = False) -> MatchResult:
         """Longest page-aligned prefix of `token_ids` cached in `namespace`, on L1 then L2.
 
         Splits the last matched node when the match ends inside it, so `last_node` (and
         `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
-        stale node ends the match. The result is not locked: call `lock(last_node)` before
-        anything may evict. Matching in a namespace that holds nothing returns a fresh root that
-        is not kept (matching never grows the tree).
+        stale node ends the match. When L1 keeps the windowed layers' KV apart and the window before
+        the match's end lacks window parts on L1, a tree with an L2 names the tokens whose window
+        parts a load-back restores (`repair`); one without is cut back to `device_prefix`. `whole`:
+        what the tree holds, window parts aside (as an L3 prefetch asks). The result is
+        not locked: call `lock(last_node)` before anything may evict. Matching in a namespace that
+        holds nothing returns a fresh root that is not kept (matching never grows the tree).
         """
         tokens = _as_tokens(token_ids)
         root = self._roots.get(namespace) or TreeNode(namespace=namespace)
         if self.disabled:
             return MatchResult(_empty_slots(), root, 0, root)
         now = next(self._clock)
-        parts: list[torch.Tensor] = []
+        devs: list[TreeNode] = []
         last = deepest = root
         host = 0
         for node in self._walk_prefix(root, tokens):
@@ -79,11 +83,34 @@ class RadixTree(Residency):
             node.last_access = now
             deepest = node
             if node.device_slots is not None:
-                parts.append(node.device_slots)
+                devs.append(node)
                 last = node
             else:
                 host += len(node.key)
-        return MatchResult(torch.cat(parts) if parts else _empty_slots(), last, host, deepest)
+        slots = torch.cat([n.device_slots for n in devs]) if devs else _empty_slots()
+        match = MatchResult(slots, last, host, deepest)
+        end = slots.numel() + host
+        if whole or window_held(self.allocator, slots, self.page_size, end):
+            return match
+        if self.host_allocator is not None:  # every tombstone on L1 has its L2 copy
+            window = window_of(self.allocator)
+            return match._replace(repair=slots.numel() - max(0, end - window) // self.page_size * self.page_size)
+        return self.device_prefix(match)
+
+    def device_prefix(self, match: MatchResult) -> MatchResult:
+        """What of `match` a request may resume after without loading its L2 part: its L1 part,
+        cut back where L1 keeps the windowed layers apart and the window before its end is not
+        held there (`hicache/tree/window.py`), splitting the node the cut falls in."""
+        slots = match.device_slots
+        end = window_end(self.allocator, slots, self.page_size)
+        if end == slots.numel() and not match.host_hit_tokens:
+            return match
+        node, stop = match.last_node, slots.numel()  # node: the tokens [stop - len(key), stop)
+        while node.parent is not None and stop - len(node.key) >= end:
+            stop, node = stop - len(node.key), node.parent
+        if node.parent is not None and stop > end:
+            node = self._split(node, end - stop + len(node.key))
+        return MatchResult(slots[:end], node, 0, node)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, namespace: str = "") -> int:
         """Cache the page-aligned prefix of `token_ids`, whose KV is in `slots` ([len] int64, CPU).

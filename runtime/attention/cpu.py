@@ -27,6 +27,7 @@ class CpuAttention:
                 batch: ForwardBatch) -> torch.Tensor:
         batch.wait_layer(layer_id)  # this layer's load-back from L2 (other slots than the new tokens')
         window = self.windows[layer_id] if self.windows else None
+        batch = batch.for_layer(layer_id)
         return cpu.paged_attention(q, k, v, batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id),
                                    batch.out_cache_loc, batch.req_to_token, batch.req_rows, batch.prefix_lens,
                                    batch.extend_lens_dev, batch.q_starts, self.scale, window)

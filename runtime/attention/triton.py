@@ -28,6 +28,7 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
+        batch = batch.for_layer(layer_id)
         k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
         store.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         batch.wait_layer(layer_id)  # this layer's load-back from L2, if one is in flight (no host sync)

@@ -108,7 +108,7 @@ class HostTransferEngine:
         self._tickets = itertools.count(1)
         self._done: list[TransferResult] = []
         self._pending: dict[int, _Pending] = {}
-        self._deferred: dict[int, tuple] = {}  # CUDA loads not yet queued: ticket -> (slots, on_layer, start, after)
+        self._deferred: dict[int, tuple] = {}  # CUDA loads not yet queued: ticket -> their slots, hook, start, ...
         self._fence = None  # ordered_after's event: copies submitted now follow the compute before it
         self._streams = None
         self._layers = None  # kernels.transfer.DeviceLayers when the Triton kernel copies
@@ -147,28 +147,38 @@ class HostTransferEngine:
         return self._submit("backup", device_slots, host_slots, None)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
-             on_layer: Callable[[int], None] | None = None, skip: int = 0) -> int:
+             on_layer: Callable[[int], None] | None = None, skip: int = 0,
+             repair: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Host -> device, layer by layer; `on_layer(i)` once layer i is copied (queued, on CUDA).
-        The windowed layers copy only slots [skip:] (their KV before is never read)."""
-        return self._submit("load", device_slots, host_slots, on_layer, skip if self.window_layers else 0)
+        The windowed layers copy only slots [skip:] (their KV before is never read), and also the
+        (host slots, device slots) of `repair`: tokens already on L1 whose window parts are being
+        restored."""
+        skip = skip if self.window_layers else 0
+        repair = repair or (host_slots[:0], device_slots[:0])
+        return self._submit("load", device_slots, host_slots, on_layer, skip, repair)
 
-    def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer, skip: int = 0) -> int:
+    def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer, skip: int = 0,
+                repair: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         ticket, start = next(self._tickets), time.perf_counter()
-        if skip:
-            self._skipped[ticket] = skip
+        extra = 0 if repair is None else int(repair[1].numel())
+        if skip or extra:
+            self._skipped[ticket] = skip - extra
         n = int(device_slots.numel())
+        wd, wh = device_slots[skip:], host_slots[skip:]
+        if extra:
+            wd, wh = torch.cat([repair[1], wd]), torch.cat([repair[0], wh])
         try:
-            if device_slots.shape != host_slots.shape:
+            if device_slots.shape != host_slots.shape or wd.shape != wh.shape:
                 raise ValueError(f"{kind}: {n} device slots but {host_slots.numel()} host slots")
             if self._streams is None:
-                steps, copy_step = self._copier(kind, device_slots, host_slots, device_slots[skip:], host_slots[skip:])
+                steps, copy_step = self._copier(kind, device_slots, host_slots, wd, wh)
                 for step in range(steps):
                     copy_step(step)
                     if on_layer is not None and kind == "load":
                         on_layer(step)
                 self._finish(ticket, kind, n, start, None)
             else:
-                self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start, skip)
+                self._submit_cuda(ticket, kind, device_slots, host_slots, on_layer, start, wd, wh)
         except Exception as e:  # reported through poll(), never raised into the scheduler
             logger.warning("%s transfer %d failed: %r", kind, ticket, e)
             if self._streams is not None:  # copies queued before the failure still write its pages
@@ -176,7 +186,7 @@ class HostTransferEngine:
             self._finish(ticket, kind, n, start, repr(e))
         return ticket
 
-    def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start, skip) -> None:
+    def _submit_cuda(self, ticket, kind, device_slots, host_slots, on_layer, start, wd, wh) -> None:
         if kind == "load" and self.layerwise:
             # Queued by start_loads (once the scheduler's plan is made) or the first wait_layer,
             # together with the other loads of that batch. It still comes after the compute queued
@@ -185,10 +195,10 @@ class HostTransferEngine:
             if after is None:
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.device))
-            self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after, skip)
+            self._deferred[ticket] = (device_slots, host_slots, on_layer, start, after, wd, wh)
             return
-        self._issue(kind, [(ticket, int(device_slots.numel()), start)], (device_slots, host_slots,
-                    device_slots[skip:], host_slots[skip:]), on_layer, None if self._fence is None else [self._fence])
+        self._issue(kind, [(ticket, int(device_slots.numel()), start)], (device_slots, host_slots, wd, wh),
+                    on_layer, None if self._fence is None else [self._fence])
         if kind == "load":  # not layer-wise: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
@@ -201,14 +211,13 @@ class HostTransferEngine:
         if not self._deferred:
             return
         loads, self._deferred = self._deferred, {}
-        jobs = [(ticket, int(d.numel()), start) for ticket, (d, _, _, start, _, _) in loads.items()]
-        hooks = [on_layer for _, _, on_layer, _, _, _ in loads.values() if on_layer is not None]
+        jobs = [(ticket, int(d.numel()), start) for ticket, (d, _, _, start, *_) in loads.items()]
+        hooks = [on_layer for _, _, on_layer, *_ in loads.values() if on_layer is not None]
         slots = (torch.cat([d for d, *_ in loads.values()]), torch.cat([h for _, h, *_ in loads.values()]),
-                 torch.cat([d[skip:] for d, *_, skip in loads.values()]),
-                 torch.cat([h[skip:] for _, h, *_, skip in loads.values()]))
+                 torch.cat([wd for *_, wd, _ in loads.values()]), torch.cat([wh for *_, wh in loads.values()]))
         try:
             self._issue("load", jobs, slots, (lambda layer: [hook(layer) for hook in hooks]) if hooks else None,
-                        [after for _, _, _, _, after, _ in loads.values()])
+                        [after for _, _, _, _, after, _, _ in loads.values()])
         except Exception as e:  # reported through poll()
             logger.warning("load transfers %s failed: %r", [t for t, _, _ in jobs], e)
             torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
@@ -235,12 +244,22 @@ class HostTransferEngine:
     def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, window_device: torch.Tensor,
                 window_host: torch.Tensor) -> tuple[int, Callable[[int], None]]:
         """(steps, copy_step): a load copies layer i in step i (a windowed layer: the window
-        slots); a backup copies every layer in one step (one kernel launch or one driver call)
-        where it can, else a step per layer."""
+        slots); a backup copies every layer in one step (one kernel launch or one driver call a
+        group of layers alike) where it can, else a step per layer. Over a pool that keeps its
+        windowed layers apart, those layers copy from and to the window slots of their device
+        slots (every one of which must hold its window part)."""
         dev, host, layers = self.device_pool, self.host_pool, self.device_pool.num_layers
         load = kind == "load"
-        windowed = load and window_device.numel() < device_slots.numel()
-        wins = self.window_layers if windowed else frozenset()
+        if not load:
+            window_device, window_host = device_slots, host_slots
+        apart = bool(getattr(dev, "window_layers", ()))
+        if apart:
+            window_device = dev.allocator.window_slots(window_device)
+            if bool((window_device < 0).any()):
+                raise ValueError(f"{kind}: a slot of a windowed layer holds no window part")
+        windowed = apart or (load and window_device.numel() < device_slots.numel())
+        wins = (dev.window_layers if apart else self.window_layers) if windowed else frozenset()
+        groups = _layer_groups(layers, wins)
         if self._layers is not None:
             from hicache.kernels.transfer import copy_kv
 
@@ -250,29 +269,37 @@ class HostTransferEngine:
                 return layers, lambda i: copy_kv(host.buffer, host.layout, self._layers, wh if i in wins else hslots,
                                                  wd if i in wins else dslots, range(i, i + 1), to_host=False,
                                                  max_blocks=self.load_blocks)
-            return 1, lambda i: copy_kv(host.buffer, host.layout, self._layers, hslots, dslots, range(layers),
-                                        to_host=True)
+
+            def backup(_: int) -> None:
+                for group, win in groups:
+                    copy_kv(host.buffer, host.layout, self._layers, wh if win else hslots, wd if win else dslots,
+                            group, to_host=True)
+            return 1, backup
         if self._batch is not None:
             bufs = [dev.k_buffer(i) for i in range(layers)], [dev.v_buffer(i) for i in range(layers)]
-            dsts, srcs, sizes = page_copies(host, *bufs, host_slots, device_slots, range(layers), to_host=not load)
+            if not load:
+                copies = [page_copies(host, *bufs, window_host if win else host_slots,
+                                      window_device if win else device_slots, group, to_host=True)
+                          for group, win in groups]
+                return 1, lambda i: [self._batch.copy(*c, True, self._streams["backup"]) for c in copies]
+            dsts, srcs, sizes = page_copies(host, *bufs, host_slots, device_slots, range(layers), to_host=False)
             wdsts, wsrcs, wsizes = page_copies(host, *bufs, window_host, window_device, range(layers),
                                                to_host=False) if windowed else (dsts, srcs, sizes)
-            if load:  # [2, L, runs]: layer i's K and V runs in one call
-                def copy(i: int) -> None:
-                    d, src, size = (wdsts, wsrcs, wsizes) if i in wins else (dsts, srcs, sizes)
-                    self._batch.copy(d[:, i], src[:, i], size[:, i], False, self._streams["load"])
-                return layers, copy
-            return 1, lambda i: self._batch.copy(dsts, srcs, sizes, True, self._streams["backup"])
+
+            def copy(i: int) -> None:  # [2, L, runs]: layer i's K and V runs in one call
+                d, src, size = (wdsts, wsrcs, wsizes) if i in wins else (dsts, srcs, sizes)
+                self._batch.copy(d[:, i], src[:, i], size[:, i], False, self._streams["load"])
+            return layers, copy
         dslots, wd = self._to_device(device_slots), self._to_device(window_device) if windowed else None
 
         def copy_layer(i: int) -> None:
+            d, h = (wd, window_host) if i in wins else (dslots, host_slots)
             if load:
-                d, h = (wd, window_host) if i in wins else (dslots, host_slots)
                 k, v = host.get_layer(i, h)
                 dev.k_buffer(i)[d] = k.to(self.device, non_blocking=True)
                 dev.v_buffer(i)[d] = v.to(self.device, non_blocking=True)
             else:
-                host.set_layer(i, host_slots, dev.k_buffer(i)[dslots], dev.v_buffer(i)[dslots])
+                host.set_layer(i, h, dev.k_buffer(i)[d], dev.v_buffer(i)[d])
         return layers, copy_layer
 
     def _to_device(self, slots: torch.Tensor) -> torch.Tensor:
@@ -327,3 +354,13 @@ class HostTransferEngine:
 
     def in_flight(self) -> int:
         return len(self._pending) + len(self._deferred)
+
+
+def _layer_groups(layers: int, wins: frozenset[int]) -> list[tuple[range, bool]]:
+    """Layers 0..layers-1 as runs of consecutive layers alike (windowed or not), in order."""
+    groups, start = [], 0
+    for i in range(1, layers + 1):
+        if i == layers or (i in wins) != (start in wins):
+            groups.append((range(start, i), start in wins))
+            start = i
+    return groups
