@@ -19,7 +19,8 @@ class FlashInferAttention:
     """FlashInfer's paged prefill and decode kernels (`kernels/flashinfer.py`) with the Triton KV
     store. A forward pass is planned when its first layer attends: one wrapper per distinct
     sliding window of the model's layers (None: full attention), each over the keys its layers
-    read. A decode graph has wrappers of its own (its graph state), planned before each replay."""
+    read, its slots translated to the windowed layers' own where the pool keeps them apart. A
+    decode graph has wrappers of its own (its graph state), planned before each replay."""
 
     graphs = True
 
@@ -32,6 +33,7 @@ class FlashInferAttention:
         self._graph_buffers: dict = {}  # window -> index buffers of the graph wrappers
         self._kernels: dict | None = None  # window -> the wrapper of passes outside graphs
         self._batch: ForwardBatch | None = None  # the pass it was last planned for
+        self._pool: DeviceKVPool | None = None  # the graphs' pool
 
     def _make(self, num_heads: int, k_buf: torch.Tensor, graph_batch: int | None = None, window=None):
         if self._workspace is None:
@@ -42,7 +44,7 @@ class FlashInferAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
-        store.store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        store.store_kv(k_buf, v_buf, batch.for_layer(layer_id).out_cache_loc, k, v)
         kernels = batch.graph_state
         if kernels is None:
             if self._batch is not batch:
@@ -58,7 +60,8 @@ class FlashInferAttention:
         for window, kernels in self._kernels.items():
             lens = flashinfer.visible(window, batch.kv_lens, batch.extend_lens)
             starts = None if window is None else ends - torch.minimum(ends, batch.extend_lens_dev + window - 1)
-            indices = flashinfer.kv_indices(batch.req_to_token, batch.req_rows, ends, sum(lens), starts)
+            indices = _own_slots(batch.pool, window, flashinfer.kv_indices(batch.req_to_token, batch.req_rows, ends,
+                                                                            sum(lens), starts))
             if batch.mode == "decode":
                 kernels.plan_decode(indices, lens, self.scale, window)
             else:
@@ -71,6 +74,7 @@ class FlashInferAttention:
         (batches up to max_batch, each request up to the table's width), planned here for rows
         of one token."""
         k_buf = pool.k_buffer(0)
+        self._pool = pool
         state = {}
         for window in self._kinds:
             if window not in self._graph_buffers:
@@ -87,5 +91,14 @@ class FlashInferAttention:
         for window, kernels in state.items():
             seen = flashinfer.visible(window, lens, [1] * len(lens))
             starts = None if window is None else seq_lens - seq_lens.clamp(max=window)
-            indices = flashinfer.kv_indices(req_table.table, rows, seq_lens, sum(seen), starts)
+            indices = _own_slots(self._pool, window, flashinfer.kv_indices(req_table.table, rows, seq_lens,
+                                                                           sum(seen), starts))
             kernels.plan_decode(indices, seen, self.scale, window)
+
+
+def _own_slots(pool: DeviceKVPool, window: int | None, indices: torch.Tensor) -> torch.Tensor:
+    """`indices` (global slots) as the slots of layers of `window`: their window slots where the
+    pool keeps windowed layers apart (every slot of a visible tail holds its window part)."""
+    if window is None or not pool.window_layers:
+        return indices
+    return pool.allocator.device_map[indices.long()].to(torch.int32)
