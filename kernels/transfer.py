@@ -55,12 +55,15 @@ class DeviceLayers(NamedTuple):
 
 
 def layer_pointers(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> DeviceLayers:
-    """The address table of the device pool's per-layer K and V buffers (kept alive by the caller)."""
+    """The address table of the device pool's per-layer K and V buffers (kept alive by the caller).
+    Their slot counts may differ (a pool whose windowed layers hold fewer slots): the caller
+    passes each layer slots it has."""
     require(len(k_buffers) == len(v_buffers) and len(k_buffers) > 0, "need as many K as V buffers, at least one")
     first = k_buffers[0]
     for b in list(k_buffers) + list(v_buffers):
-        require(b.shape == first.shape and b.dtype == first.dtype and b.device == first.device and b.is_contiguous(),
-                "device layers must be contiguous buffers of one shape, dtype and device")
+        same = b.dim() == 3 and b.shape[1:] == first.shape[1:] and b.dtype == first.dtype and b.device == first.device
+        require(same and b.is_contiguous(), "device layers must be contiguous [slots, H, D] buffers of one H, D, "
+                                            "dtype and device")
     ptrs = [[b.data_ptr() for b in k_buffers], [b.data_ptr() for b in v_buffers]]
     return DeviceLayers(torch.tensor(ptrs, dtype=torch.int64, device=first.device), first.dtype,
                         (first.shape[1], first.shape[2]))
