@@ -36,7 +36,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
-    "hc_paged_attention": [_N] + [_P] * 6 + [_I] + [_P] * 5 + [_I] * 6 + [_F, _I, _P, _N],
+    "hc_paged_attention": [_N] + [_P] * 6 + [_I] + [_P] * 5 + [_I] * 6 + [_F, _I, _P, _N] + [_P] * 3 + [_I, _P],
     "hc_add_rmsnorm": [_N] + [_P] * 5 + [_I, _I, _F, _N],
     "hc_rope": [_N] + [_P] * 6 + [_I] * 6 + [_N],
     "hc_silu_mul": [_N, _P, _P, _I, _I, _N],
@@ -125,16 +125,53 @@ def _rows(name: str, t: torch.Tensor, width: int) -> int:
     return t.stride(0)
 
 
+class SharedKeys(NamedTuple):
+    """Decode requests whose first keys are the same slots (a prompt the radix cache shares),
+    grouped so that the attention reads those keys once per group (`shared_keys`)."""
+
+    lens: torch.Tensor  # [N] int64: the keys request i shares with its group (0: none)
+    members: torch.Tensor  # [M] int64: the grouped requests, group after group
+    offsets: torch.Tensor  # [G + 1] int64: group g is members[offsets[g]:offsets[g + 1]]
+
+
+def shared_keys(req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
+                min_keys: int = 64) -> SharedKeys | None:
+    """The groups of a decode batch (request i: row req_rows[i] of req_to_token, prefix_lens[i]
+    keys before its new token) whose members share at least `min_keys` first slots; None when
+    no two requests do."""
+    lens = prefix_lens.tolist()
+    by_first: dict[int, list[int]] = {}
+    for i, first in enumerate(req_to_token[req_rows, 0].tolist()):
+        if lens[i] >= min_keys:
+            by_first.setdefault(first, []).append(i)
+    shared = [0] * len(lens)
+    members, offsets = [], [0]
+    for group in (g for g in by_first.values() if len(g) > 1):
+        rows = req_to_token[req_rows[group], :min(lens[i] for i in group)]
+        common = int((rows == rows[0]).all(0).cumprod(0).sum())
+        if common >= min_keys:
+            for i in group:
+                shared[i] = common
+            members.extend(group)
+            offsets.append(len(members))
+    if not members:
+        return None
+    return SharedKeys(torch.tensor(shared), torch.tensor(members), torch.tensor(offsets))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
                     v_buffer: torch.Tensor, out_loc: torch.Tensor, req_to_token: torch.Tensor,
                     req_rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                    q_starts: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                    q_starts: torch.Tensor, scale: float, window: int | None = None,
+                    shared: SharedKeys | None = None) -> torch.Tensor:
     """Stores the new tokens' k and v ([T, Hkv, D], rows may be strided views) at `out_loc` ([T]
     int64), then returns [T, Hq, D]: each new token's causal attention over its request's KV,
     read in place from the pool through the request's row of `req_to_token` ([R, C] int64).
     Request i owns `extend_lens[i]` new tokens from `q_starts[i]` in q ([T, Hq, D], contiguous),
     after `prefix_lens[i]` cached ones (all [N] int64). Decode is the case of one new token a
-    request. `window` W: a query at position p sees keys p - W < j <= p."""
+    request. `window` W: a query at position p sees keys p - W < j <= p. `shared` (a decode
+    batch's `shared_keys`, no window): each group's shared keys are read once for all its
+    members."""
     lib = library()
     _require(lib is not None, "the CPU kernels are not built (no C++ compiler)")
     _require(q.dtype in DTYPES, f"q must be float32 or bfloat16, got {q.dtype}")
@@ -158,11 +195,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer:
     _check("req_to_token", req_to_token, torch.int64)
     _require(req_to_token.dim() == 2, "req_to_token must be [R, C]")
     out = torch.empty_like(q)
+    groups = (None, None, None, 0, None)
+    if shared is not None:
+        _require(not window and bool((extend_lens == 1).all()) and shared.lens.shape == (n,)
+                 and bool((shared.lens <= prefix_lens).all()), "shared keys are for decode batches without a window")
+        partial = torch.empty(n, hq, d + 2)
+        groups = (shared.lens.data_ptr(), shared.members.data_ptr(), shared.offsets.data_ptr(),
+                  shared.offsets.numel() - 1, partial.data_ptr())
     lib.hc_paged_attention(DTYPES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), k_buffer.data_ptr(),
                            v_buffer.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0), req_rows.data_ptr(),
                            prefix_lens.data_ptr(), extend_lens.data_ptr(), q_starts.data_ptr(), out_loc.data_ptr(),
                            n, hq, hkv, d, k.stride(0), v.stride(0), scale, window or 0, out.data_ptr(),
-                           torch.get_num_threads())
+                           torch.get_num_threads(), *groups)
     return out
 
 

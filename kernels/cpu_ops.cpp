@@ -79,6 +79,10 @@ struct Paged {
     const i64* table; i64 table_stride; const i64* rows; const i64* prefix_lens; const i64* extend_lens;
     const i64* q_starts; const i64* out_loc; i64 n_reqs; i64 hq; i64 hkv; i64 d;
     i64 k_new_stride; i64 v_new_stride; float scale; i64 window; void* out;
+    // Decode requests that share their first keys (the same slots): `shared_len[i]` keys of
+    // request i (0: none) are attended once for its whole group, members[offsets[g]..offsets[g+1]),
+    // into `partial` (per request and query head: the unscaled accumulator, running max and sum).
+    const i64* shared_len; const i64* members; const i64* offsets; i64 n_groups; float* partial;
 };
 
 // Per-thread buffers of one task: its query rows (scaled), their accumulators and running max /
@@ -186,25 +190,10 @@ void fold_rows(Scratch& sc, i64 d, i64 r, i64 j0, i64 nk, i64 window) {
     }
 }
 
-// One task: request i, KV head h, new tokens [t0, t1) of the request, each with the G query heads
-// of that KV head: flash attention over the request's keys, read in place through its table row.
+// Folds keys [first, last] (their slots in `slots`, KV head h) into the R rows of `sc`.
 template <typename T>
-void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
-    const i64 G = a.hq / a.hkv, D = a.d, R = (t1 - t0) * G;
-    const i64 prefix = a.prefix_lens[i], qs = a.q_starts[i];
-    const i64* slots = a.table + a.rows[i] * a.table_stride;
-    for (i64 r = 0; r < R; ++r) {
-        const i64 t = t0 + r / G, head = h * G + r % G;
-        const T* src = static_cast<const T*>(a.q) + ((qs + t) * a.hq + head) * D;
-        for (i64 e = 0; e < D; ++e) sc.q[r * D + e] = load<T>(src, e) * a.scale;
-        std::fill(&sc.acc[r * D], &sc.acc[r * D] + D, 0.0f);
-        sc.m[r] = -INFINITY;
-        sc.l[r] = 0.0f;
-        sc.pos[r] = prefix + t;
-    }
-    const i64 last = prefix + t1 - 1;
-    const i64 first = a.window > 0 ? std::max<i64>(0, prefix + t0 - a.window + 1) : 0;
-    const i64 kv_row = a.hkv * D;
+void fold_keys(const Paged& a, Scratch& sc, const i64* slots, i64 h, i64 R, i64 first, i64 last, i64 window) {
+    const i64 D = a.d, kv_row = a.hkv * D;
     for (i64 j0 = first; j0 <= last; j0 += KB) {
         const i64 nk = std::min<i64>(KB, last + 1 - j0);
         for (i64 jj = 0; jj < nk; ++jj) {
@@ -219,9 +208,64 @@ void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
         for (i64 jj = nk; jj < KB; ++jj)
             for (i64 e = 0; e < D; ++e) sc.kt[e * KB + jj] = 0.0f;
         i64 r = 0;
-        for (; r + 1 < R; r += 2) fold_rows<true>(sc, D, r, j0, nk, a.window);
-        if (r < R) fold_rows<false>(sc, D, r, j0, nk, a.window);
+        for (; r + 1 < R; r += 2) fold_rows<true>(sc, D, r, j0, nk, window);
+        if (r < R) fold_rows<false>(sc, D, r, j0, nk, window);
     }
+}
+
+// One group task: the shared keys of group g, KV head h, for its members [m0, m1) (one new token
+// each, with the G query heads of that KV head): the keys are read once for all of them, and each
+// row's unscaled state goes to `partial` for the member's own task to go on from.
+template <typename T>
+void attend_shared(const Paged& a, Scratch& sc, i64 g, i64 h, i64 m0, i64 m1) {
+    const i64 G = a.hq / a.hkv, D = a.d, R = (m1 - m0) * G;
+    const i64 lead = a.members[a.offsets[g]], shared = a.shared_len[lead];
+    for (i64 r = 0; r < R; ++r) {
+        const i64 i = a.members[m0 + r / G], head = h * G + r % G;
+        const T* src = static_cast<const T*>(a.q) + (a.q_starts[i] * a.hq + head) * D;
+        for (i64 e = 0; e < D; ++e) sc.q[r * D + e] = load<T>(src, e) * a.scale;
+        std::fill(&sc.acc[r * D], &sc.acc[r * D] + D, 0.0f);
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
+        sc.pos[r] = shared - 1;  // every shared key is visible
+    }
+    fold_keys<T>(a, sc, a.table + a.rows[lead] * a.table_stride, h, R, 0, shared - 1, 0);
+    for (i64 r = 0; r < R; ++r) {
+        const i64 i = a.members[m0 + r / G], head = h * G + r % G;
+        float* part = a.partial + (i * a.hq + head) * (D + 2);
+        std::copy(&sc.acc[r * D], &sc.acc[r * D] + D, part);
+        part[D] = sc.m[r];
+        part[D + 1] = sc.l[r];
+    }
+}
+
+// One task: request i, KV head h, new tokens [t0, t1) of the request, each with the G query heads
+// of that KV head: flash attention over the request's keys, read in place through its table row.
+template <typename T>
+void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
+    const i64 G = a.hq / a.hkv, D = a.d, R = (t1 - t0) * G;
+    const i64 prefix = a.prefix_lens[i], qs = a.q_starts[i];
+    const i64* slots = a.table + a.rows[i] * a.table_stride;
+    const i64 shared = a.shared_len != nullptr ? a.shared_len[i] : 0;  // keys its group attended
+    for (i64 r = 0; r < R; ++r) {
+        const i64 t = t0 + r / G, head = h * G + r % G;
+        const T* src = static_cast<const T*>(a.q) + ((qs + t) * a.hq + head) * D;
+        for (i64 e = 0; e < D; ++e) sc.q[r * D + e] = load<T>(src, e) * a.scale;
+        if (shared > 0) {
+            const float* part = a.partial + (i * a.hq + head) * (D + 2);
+            std::copy(part, part + D, &sc.acc[r * D]);
+            sc.m[r] = part[D];
+            sc.l[r] = part[D + 1];
+        } else {
+            std::fill(&sc.acc[r * D], &sc.acc[r * D] + D, 0.0f);
+            sc.m[r] = -INFINITY;
+            sc.l[r] = 0.0f;
+        }
+        sc.pos[r] = prefix + t;
+    }
+    const i64 last = prefix + t1 - 1;
+    const i64 first = std::max(shared, a.window > 0 ? std::max<i64>(0, prefix + t0 - a.window + 1) : i64(0));
+    fold_keys<T>(a, sc, slots, h, R, first, last, a.window);
     for (i64 r = 0; r < R; ++r) {
         const i64 t = t0 + r / G, head = h * G + r % G;
         T* dst = static_cast<T*>(a.out) + ((qs + t) * a.hq + head) * D;
@@ -244,6 +288,8 @@ void paged_attention(const Paged& a, int nthreads) {
         tasks += (n + qb - 1) / qb * a.hkv;
         work += n * (a.prefix_lens[i] + (n + 1) / 2) * a.hq * a.d * 2;
     }
+    i64 group_tasks = 0;
+    for (i64 g = 0; g < a.n_groups; ++g) group_tasks += (a.offsets[g + 1] - a.offsets[g] + qb - 1) / qb * a.hkv;
     const i64 row = a.hkv * a.d;
     #pragma omp parallel num_threads(work < SERIAL_WORK || tasks < 2 ? 1 : nthreads)
     {
@@ -256,6 +302,17 @@ void paged_attention(const Paged& a, int nthreads) {
             }
         }
         Scratch sc(qb * G, a.d);
+        #pragma omp for schedule(dynamic, 1)
+        for (i64 task = 0; task < group_tasks; ++task) {  // shared keys first: the tasks below go on from them
+            i64 rest = task, g = 0;
+            for (;; ++g) {
+                const i64 n = (a.offsets[g + 1] - a.offsets[g] + qb - 1) / qb * a.hkv;
+                if (rest < n) break;
+                rest -= n;
+            }
+            const i64 h = rest % a.hkv, m0 = a.offsets[g] + rest / a.hkv * qb;
+            attend_shared<T>(a, sc, g, h, m0, std::min<i64>(m0 + qb, a.offsets[g + 1]));
+        }
         #pragma omp for schedule(dynamic, 1)
         for (i64 task = 0; task < tasks; ++task) {
             i64 rest = task, i = 0;
@@ -348,9 +405,11 @@ void hc_paged_attention(int dtype, const void* q, const void* k_new, const void*
                         const i64* table, i64 table_stride, const i64* rows, const i64* prefix_lens,
                         const i64* extend_lens, const i64* q_starts, const i64* out_loc, i64 n_reqs, i64 hq,
                         i64 hkv, i64 d, i64 k_new_stride, i64 v_new_stride, float scale, i64 window, void* out,
-                        int nthreads) {
+                        int nthreads, const i64* shared_len, const i64* members, const i64* offsets, i64 n_groups,
+                        float* partial) {
     const Paged a{q, k_new, v_new, k_buf, v_buf, table, table_stride, rows, prefix_lens, extend_lens, q_starts,
-                  out_loc, n_reqs, hq, hkv, d, k_new_stride, v_new_stride, scale, window, out};
+                  out_loc, n_reqs, hq, hkv, d, k_new_stride, v_new_stride, scale, window, out,
+                  shared_len, members, offsets, n_groups, partial};
     if (dtype == 0) paged_attention<float>(a, nthreads);
     else paged_attention<uint16_t>(a, nthreads);
 }

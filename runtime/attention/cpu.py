@@ -1,6 +1,7 @@
 """The "cpu" attention backend: the compiled CPU kernel that reads the paged pool in place
 (`hicache.kernels.cpu.paged_attention`), for decode and extend, requests of any lengths in one
-ragged batch."""
+ragged batch; in a decode batch, the keys that requests share (the same slots: a prompt the radix
+cache shares) read once for all of them (`cpu.shared_keys`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,12 +23,19 @@ class CpuAttention:
     def __init__(self, head_dim: int, scale: float | None = None, windows: tuple = ()):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.windows = windows  # per layer: sliding window or None; () for none
+        self._batch: ForwardBatch | None = None  # the pass `_shared` was found for
+        self._shared: cpu.SharedKeys | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         batch.wait_layer(layer_id)  # this layer's load-back from L2 (other slots than the new tokens')
         window = self.windows[layer_id] if self.windows else None
+        if self._batch is not batch:
+            self._batch = batch
+            self._shared = cpu.shared_keys(batch.req_to_token, batch.req_rows, batch.prefix_lens) \
+                if batch.mode == "decode" and len(batch.extend_lens) > 1 else None
+        shared = None if window else self._shared
         batch = batch.for_layer(layer_id)
         return cpu.paged_attention(q, k, v, batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id),
                                    batch.out_cache_loc, batch.req_to_token, batch.req_rows, batch.prefix_lens,
-                                   batch.extend_lens_dev, batch.q_starts, self.scale, window)
+                                   batch.extend_lens_dev, batch.q_starts, self.scale, window, shared)

@@ -38,6 +38,40 @@ def test_paged_attention_matches_reference(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_shared_keys_reads_them_once_per_group(dtype):
+    """Two groups of decode requests sharing their first slots (one group past a page boundary),
+    and requests sharing nothing: `shared_keys` finds the groups, and attention that reads each
+    group's keys once equals the reference."""
+    gen = fresh_gen()
+    hq, hkv, d = 9, 3, 64
+    perm = torch.randperm(4096, generator=gen)
+    system_a, system_b = perm[:150], perm[150:350]
+    own = iter(perm[350:].split(40))
+    prompts = [system_a, system_a, system_b, system_a, perm[4000:4060], system_b, system_a[:70]]
+    slots = [torch.cat([p, next(own)[:n]]) for p, n in zip(prompts, (5, 33, 1, 17, 9, 40, 2))]
+    k_buf, v_buf = (torch.randn(4096, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    table = torch.zeros(len(slots), 400, dtype=torch.int64)
+    for i, s in enumerate(slots):
+        table[i, :len(s)] = s
+    rows, lens = torch.arange(len(slots)), torch.tensor([len(s) for s in slots])
+    prefix = lens - 1
+    groups = cpu.shared_keys(table, rows, prefix)
+    members = [groups.members[a:b].tolist() for a, b in zip(groups.offsets[:-1], groups.offsets[1:])]
+    assert sorted(members) == [[0, 1, 3, 6], [2, 5]] and groups.lens.tolist() == [70, 70, 200, 70, 0, 200, 70]
+    assert cpu.shared_keys(table, rows, prefix, min_keys=250) is None
+    q = torch.randn(len(slots), hq, d, generator=gen).to(dtype)
+    loc = torch.stack([s[-1] for s in slots])
+    k_new, v_new = k_buf[loc].clone(), v_buf[loc].clone()
+    want = ref.decode_attention(q.float(), k_buf.float(), v_buf.float(), table, lens, 0.125)
+    ones = torch.ones(len(slots), dtype=torch.int64)
+    out = cpu.paged_attention(q, k_new, v_new, k_buf, v_buf, loc, table, rows, prefix, ones, rows, 0.125,
+                              shared=groups)
+    assert rel_err(out, want) < TOL[dtype]
+    for i in range(len(slots)):
+        assert rel_err(out[i], want[i]) < TOL[dtype], i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_ops_match_torch(dtype):
     gen = fresh_gen()
     x, delta = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
