@@ -22,7 +22,7 @@ class RuntimeConfig:
     swa_full_tokens_ratio: float = field(default=0.8, metadata={"help": "For a model with sliding-window layers: slots of the windowed layers' L1 pool per slot of the global layers' pool (a token's windowed-layer KV is kept only while some request or cached prefix reads it)."})
     max_running_requests: int = field(default=256, metadata={"help": "Max requests in one batch."})
     chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step (-1: no chunking)."})
-    max_prefill_tokens: int = field(default=8192, metadata={"help": "Max new prompt tokens in one prefill batch."})
+    max_prefill_tokens: int = field(default=0, metadata={"help": "Max new prompt tokens in one prefill batch; 0: auto (8192 on CUDA, 1024 on CPU, where a step of 8192 takes seconds and every request in it waits for all of them before its first token)."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs, or lpm (longest cached prefix first)."})
     attention_backend: str = field(default="auto", metadata={"help": "Attention kernels of prefill and extend (and of decode, unless decode_attention_backend names others): auto (flashinfer on CUDA when installed and the KV dtype is fp16/bf16, else triton on CUDA; on CPU cpu where a C++ compiler builds its kernels, else torch), flashinfer (CUDA), triton (CUDA), cpu (compiled CPU kernels reading the paged pool in place) or torch (the reference path)."})
     decode_attention_backend: str = field(default="auto", metadata={"help": "Attention kernels of decode steps: auto (those of attention_backend; when that is auto too, triton on CUDA, measured faster at decode than flashinfer), flashinfer, triton, cpu or torch."})
@@ -54,6 +54,8 @@ class RuntimeConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be >= 0 (0: auto), got {self.max_prefill_tokens}")
         if not 0 < self.prefill_ahead_l1_share <= 1:
             raise ValueError(f"prefill_ahead_l1_share must be in (0, 1], got {self.prefill_ahead_l1_share}")
         if not 0 < self.swa_full_tokens_ratio <= 1:

@@ -13,15 +13,17 @@ from hicache.runtime.config import RuntimeConfig
 
 # a request waits for another's prefill only to save at least this many tokens of its own
 SHARED_PREFILL_MIN = 64
+PREFILL_TOKENS_CUDA, PREFILL_TOKENS_CPU = 8192, 1024  # max_prefill_tokens's auto values
 
 if TYPE_CHECKING:
     from hicache.runtime.request import Req
 
 
 class BudgetPolicy:
-    def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool):
+    def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool,
+                 cuda: bool = False):
         self.page_size = page_size
-        self.max_prefill_tokens = rc.max_prefill_tokens
+        self.max_prefill_tokens = rc.max_prefill_tokens or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU)
         self.max_running = rc.max_running_requests
         self.chunk_size = rc.chunked_prefill_size
         self.order_by_match = rc.schedule_policy == "lpm"

@@ -61,7 +61,7 @@ class Scheduler:
         overlap = rc.enable_overlap_schedule or (cuda and not rc.disable_overlap_schedule)
         prefill_ahead = overlap and not rc.disable_prefill_ahead
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
-                                   self.cache.has_host_tier)
+                                   self.cache.has_host_tier, cuda)
         self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
 
     # ---- front-end calls -------------------------------------------------------------------
