@@ -3,7 +3,7 @@
 Only the thread that calls `step()` touches the scheduler and its cache. A step is `schedule()`
 (a BatchPlan: a prefill batch when prompts or forced runs (runtime/jump_forward.py) wait, else
 one decode token for every running request), `runner.run(plan)`, then `process_result(plan,
-output)`; with overlap scheduling (runtime/overlap.py) the result of a step is applied during the
+output)` (runtime/results.py); with overlap scheduling (runtime/overlap.py) the result of a step is applied during the
 next one.
 
 What a request holds of the cache goes through the `CacheManager` (`hicache.manager`): admit,
@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import Callable
 
 from hicache.manager import CacheManager
-from hicache.runtime.batch import BatchPlan, StepOutput
+from hicache.runtime.batch import BatchPlan
 from hicache.runtime.config import RuntimeConfig
-from hicache.runtime.counters import Counters, usage
+from hicache.runtime.counters import Counters
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_compiling
 from hicache.runtime.jump_forward import JumpForward
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
 from hicache.runtime.policy import BudgetPolicy
 from hicache.runtime.request import Req, check_logprob_start, check_prompt
+from hicache.runtime.results import StepResults
 from hicache.runtime.sampler import make_generator
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.stop import StopChecker
@@ -34,7 +33,7 @@ from hicache.runtime.stop import StopChecker
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(self, parts, rc: RuntimeConfig):
         """`parts`: `runtime.build.Components` (model config, tokenizer, cache manager, runner)."""
         self.rc = rc
@@ -381,88 +380,6 @@ class Scheduler:
     def _enqueue(self, req: Req) -> None:
         self.waiting.append(req)
         self.queue_version += 1
-
-    # ---- results ---------------------------------------------------------------------------
-
-    def process_result(self, plan: BatchPlan, out: StepOutput, accepted: Callable[[], None] | None = None) -> None:
-        """Applies a step's results. `accepted` is called once the grammars' matchers have accepted
-        the step's tokens, before the requests' results (stop checks, jump-forward, outputs)."""
-        dropped = self._settle_loads(plan) if plan.loads is not None else ()
-        if plan.mode == "extend" and all(r.cache_kv for r in plan.reqs):  # not the warm-up (it compiles kernels)
-            # the prefill rate that loads from L2 and L3 are weighed against
-            self.cache.record_prefill(sum(plan.extend_lens), time.perf_counter() - plan.created)
-        self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
-                              if req.grammar is not None and out.next_ids[i] is not None
-                              and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
-        if accepted is not None:
-            accepted()
-        self.counters["forward_steps"] += 1
-        for i, req in enumerate(plan.reqs):
-            if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
-                continue
-            req.kv_len += plan.extend_lens[i]
-            self.cache.trim_window(req.lease, req.kv_len)
-            if plan.mode == "extend" and not (plan.joined and plan.starts[i] >= len(req.input_ids)):
-                self.counters["prompt_tokens"] += plan.extend_lens[i]
-                if req.publish_prompt and req.kv_len >= len(req.input_ids):
-                    req.publish_prompt = False
-                    self.cache.publish(req.lease, req.input_ids)
-                req.input_logprobs.extend(out.input_logprobs[i] or ())
-            token = out.next_ids[i]
-            if token is None:
-                continue
-            if req.params.max_new_tokens == 0:  # the prompt alone was asked for: its token is dropped
-                self._finish(req)
-                self._emit(req, [], {"type": "length", "length": 0}, None)
-                continue
-            req.output_ids.append(token)  # its grammar accepted it above
-            self.counters["generation_tokens"] += 1
-            logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
-            reason = self.stop_checker.check(req, self.context_length)
-            forced, reason = self.jump(req) if reason is None else ([], reason)
-            if reason is not None:
-                self._finish(req)
-            self._emit(req, [token, *forced], reason, logprobs)
-
-    def _jump_first(self, req: Req) -> bool:
-        """Jump-forward before a request's first token (its forced run is computed with its
-        prompt); True when that finished the request (it leaves the queue)."""
-        forced, reason = self.jump(req)
-        if reason is not None:
-            self.waiting.remove(req)
-            self.queue_version += 1
-            self.cache.revoke(req.rid)
-            self.counters["requests_finished"] += 1
-        if forced:
-            self._emit(req, forced, reason, None)
-        return reason is not None
-
-    def _finish(self, req: Req) -> None:
-        self.running.remove(req)
-        self.queue_version += 1
-        self._release(req, keep_kv=req.cache_kv)
-        self.counters["requests_finished"] += 1
-
-    def _settle_loads(self, plan: BatchPlan) -> set[int]:
-        """Before a token sampled over loaded-back pages goes out, those loads must have landed (on
-        CUDA they have: the pass waited for them and the sampler synced). A request whose load
-        failed is retracted and recomputed; returns their ids, whose results are dropped (and
-        whose sampler is rewound). So are those retracted while this plan was in flight (a step
-        launched ahead of the one before it: that step's results reported their failed loads)."""
-        if any(r.lease.loading and s for r, s in zip(plan.reqs, plan.sample)):
-            plan.loads.settle()
-        dropped = {id(r) for r in self.poll_transfers()} | {id(r) for r in plan.reqs if not r.holds_kv}
-        for req in plan.reqs:
-            if id(req) in dropped and id(req) in plan.rng_states:
-                req.generator.set_state(plan.rng_states[id(req)])
-            elif id(req) not in dropped:
-                self.cache.refresh(req.lease)
-        return dropped
-
-    def _emit(self, req: Req, new_ids: list[int], reason: dict | None, logprobs: list | None) -> None:
-        """An output; a request's first one after its prompt carries the prompt's log-probs."""
-        prompt = req.take_input_logprobs()
-        self._outputs.append(TokenOutput(req.rid, new_ids, reason, usage(req), logprobs, input_logprobs=prompt))
 
     # ---- introspection ---------------------------------------------------------------------
 
