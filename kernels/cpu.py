@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -107,21 +107,23 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in DTYPES and head_dim % 16 == 0
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str | Callable[[], str]) -> None:
+    """ValueError(message) unless ok; a message that needs formatting comes as a callable, so that
+    the launchers (a decode step calls them hundreds of times) format only what they raise."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, contiguous: bool = True) -> None:
-    _require(t.device.type == "cpu", f"{name} must be a CPU tensor, got {t.device}")
-    _require(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
-    _require(not contiguous or t.is_contiguous(), f"{name} must be contiguous")
+    _require(t.device.type == "cpu", lambda: f"{name} must be a CPU tensor, got {t.device}")
+    _require(t.dtype == dtype, lambda: f"{name} must be {dtype}, got {t.dtype}")
+    _require(not contiguous or t.is_contiguous(), lambda: f"{name} must be contiguous")
 
 
 def _rows(name: str, t: torch.Tensor, width: int) -> int:
     """The row stride of a [T, width] view whose rows are each contiguous."""
     _require(t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1,
-             f"{name} must be [T, {width}] with contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
+             lambda: f"{name} must be [T, {width}] with contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
     return t.stride(0)
 
 
@@ -174,24 +176,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer:
     members."""
     lib = library()
     _require(lib is not None, "the CPU kernels are not built (no C++ compiler)")
-    _require(q.dtype in DTYPES, f"q must be float32 or bfloat16, got {q.dtype}")
+    _require(q.dtype in DTYPES, lambda: f"q must be float32 or bfloat16, got {q.dtype}")
     T, hq, d = q.shape
     _require(k_buffer.dim() == 3 and k_buffer.shape == v_buffer.shape and k_buffer.shape[2] == d,
-             f"k_buffer {tuple(k_buffer.shape)} and v_buffer {tuple(v_buffer.shape)} must be [slots, Hkv, {d}]")
+             lambda: f"k_buffer {tuple(k_buffer.shape)} and v_buffer {tuple(v_buffer.shape)} must be [slots, Hkv, {d}]")
     hkv = k_buffer.shape[1]
-    _require(d % 16 == 0, f"head_dim must be a multiple of 16, got {d}")
-    _require(hq % hkv == 0, f"query heads {hq} are not a multiple of KV heads {hkv}")
+    _require(d % 16 == 0, lambda: f"head_dim must be a multiple of 16, got {d}")
+    _require(hq % hkv == 0, lambda: f"query heads {hq} are not a multiple of KV heads {hkv}")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         _check(name, t, q.dtype)
-    _require(k.shape == v.shape == (T, hkv, d), f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [{T}, {hkv}, {d}]")
+    _require(k.shape == v.shape == (T, hkv, d),
+             lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [{T}, {hkv}, {d}]")
     for name, t in (("k", k), ("v", v)):
         _check(name, t, q.dtype, contiguous=False)
-        _require(t.stride(2) == 1 and t.stride(1) == d, f"{name}'s heads must be contiguous within a token")
+        _require(t.stride(2) == 1 and t.stride(1) == d, lambda: f"{name}'s heads must be contiguous within a token")
     n = req_rows.numel()
     for name, t, size in (("out_loc", out_loc, T), ("req_rows", req_rows, n), ("prefix_lens", prefix_lens, n),
                           ("extend_lens", extend_lens, n), ("q_starts", q_starts, n)):
         _check(name, t, torch.int64)
-        _require(t.shape == (size,), f"{name} must be [{size}], got {tuple(t.shape)}")
+        _require(t.shape == (size,), lambda: f"{name} must be [{size}], got {tuple(t.shape)}")
     _check("req_to_token", req_to_token, torch.int64)
     _require(req_to_token.dim() == 2, "req_to_token must be [R, C]")
     out = torch.empty_like(q)
@@ -213,8 +216,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer:
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
           ) -> tuple[torch.Tensor | None, torch.Tensor]:
     _require(x.dim() == 2 and weight.shape == (x.shape[1],),
-             f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
-    _require(x.dtype in DTYPES, f"x must be float32 or bfloat16, got {x.dtype}")
+             lambda: f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    _require(x.dtype in DTYPES, lambda: f"x must be float32 or bfloat16, got {x.dtype}")
     for name, t in (("x", x), ("weight", weight)) + ((("delta", delta),) if delta is not None else ()):
         _check(name, t, x.dtype)
     _require(delta is None or delta.shape == x.shape, "delta must have x's shape")
@@ -244,15 +247,16 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rotate-half RoPE of q and k as new contiguous tensors."""
     T, hq, d = q.shape
     hk = k.shape[1]
-    _require(k.shape == (T, hk, d) and d % 2 == 0, f"q {tuple(q.shape)} and k {tuple(k.shape)} do not fit")
-    _require(q.dtype in DTYPES and k.dtype == q.dtype, f"q and k must be float32 or bfloat16, got {q.dtype}/{k.dtype}")
+    _require(k.shape == (T, hk, d) and d % 2 == 0, lambda: f"q {tuple(q.shape)} and k {tuple(k.shape)} do not fit")
+    _require(q.dtype in DTYPES and k.dtype == q.dtype,
+             lambda: f"q and k must be float32 or bfloat16, got {q.dtype}/{k.dtype}")
     _check("positions", positions, torch.int64)
-    _require(positions.shape == (T,), f"positions must be [{T}]")
+    _require(positions.shape == (T,), lambda: f"positions must be [{T}]")
     _check("cos_sin", cos_sin, torch.float32)
-    _require(cos_sin.dim() == 2 and cos_sin.shape[1] == d, f"cos_sin must be [P, {d}]")
+    _require(cos_sin.dim() == 2 and cos_sin.shape[1] == d, lambda: f"cos_sin must be [P, {d}]")
     for name, t in (("q", q), ("k", k)):
         _check(name, t, q.dtype, contiguous=False)
-        _require(t.stride(2) == 1 and t.stride(1) == d, f"{name}'s heads must be contiguous within a token")
+        _require(t.stride(2) == 1 and t.stride(1) == d, lambda: f"{name}'s heads must be contiguous within a token")
     q_out = torch.empty((T, hq, d), dtype=q.dtype)
     k_out = torch.empty((T, hk, d), dtype=k.dtype)
     library().hc_rope(DTYPES[q.dtype], positions.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(),
@@ -263,8 +267,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = gate | up, contiguous -> silu(gate) * up, new [T, I]."""
-    _require(x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2I], got {tuple(x.shape)}")
-    _require(x.dtype in DTYPES, f"x must be float32 or bfloat16, got {x.dtype}")
+    _require(x.dim() == 2 and x.shape[1] % 2 == 0, lambda: f"x must be [T, 2I], got {tuple(x.shape)}")
+    _require(x.dtype in DTYPES, lambda: f"x must be float32 or bfloat16, got {x.dtype}")
     _check("x", x, x.dtype)
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
     library().hc_silu_mul(DTYPES[x.dtype], x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2,
