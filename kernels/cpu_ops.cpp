@@ -53,6 +53,32 @@ inline void storev(float* p, v16 v) { std::memcpy(p, &v, 64); }
 inline float hmax(v16 v) { float m = v[0]; for (int i = 1; i < 16; ++i) m = std::max(m, v[i]); return m; }
 inline float hsum(v16 v) { float s = 0.0f; for (int i = 0; i < 16; ++i) s += v[i]; return s; }
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// 16 elements from p, as floats.
+template <typename T> inline v16 load16(const T* p);
+template <> inline v16 load16<float>(const float* p) { return loadv(p); }
+template <> inline v16 load16<uint16_t>(const uint16_t* p) {
+    v16h h;
+    std::memcpy(&h, p, 32);
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
+
+// Transposes the 16 x 16 floats of r in place: four rounds of interleaving rows i and i + 8.
+inline void transpose16(v16 r[16]) {
+    const v16i lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const v16i hi = lo + 8;
+    for (int round = 0; round < 4; ++round) {
+        v16 n[16];
+        for (int i = 0; i < 8; ++i) {
+            n[2 * i] = __builtin_shuffle(r[i], r[i + 8], lo);
+            n[2 * i + 1] = __builtin_shuffle(r[i], r[i + 8], hi);
+        }
+        for (int i = 0; i < 16; ++i) r[i] = n[i];
+    }
+}
+
 // exp(x), relative error ~2e-7; 0 below -87, finite above 88 (the callers need no more).
 inline v16 exp_v(v16 x) {
     x = x < -87.0f ? v16{} - 87.0f : x;
@@ -70,6 +96,7 @@ inline v16 exp_v(v16 x) {
 }
 
 constexpr int KB = 64;    // keys of one block
+constexpr int AHEAD = 64;  // keys ahead of the one being read whose rows are prefetched
 constexpr int ROWS = 48;  // query rows (tokens x heads of one KV group) of one task, at most
 
 inline i64 block_tokens(i64 group) { return std::max<i64>(1, ROWS / group); }
@@ -94,25 +121,21 @@ struct Scratch {
         : q(rows * d), acc(rows * d), kt(d * KB), vb(KB * d), s(rows * KB), m(rows), l(rows), pos(rows) {}
 };
 
-// The scores of rows r (and r + 1 when TWO) against one block of KB keys: s = q . k.
-template <bool TWO>
+// The scores of rows r .. r + NR - 1 against one block of KB keys: s = q . k.
+template <int NR>
 void block_scores(Scratch& sc, i64 d, i64 r) {
-    v16 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
-    const float* qa = &sc.q[r * d];
-    const float* qb = TWO ? qa + d : qa;
+    v16 acc[NR][4] = {};
+    const float* q = &sc.q[r * d];
     for (i64 e = 0; e < d; ++e) {
         const float* k = &sc.kt[e * KB];
         const v16 k0 = loadv(k), k1 = loadv(k + 16), k2 = loadv(k + 32), k3 = loadv(k + 48);
-        const float x = qa[e];
-        a0 += x * k0; a1 += x * k1; a2 += x * k2; a3 += x * k3;
-        if (TWO) {
-            const float y = qb[e];
-            b0 += y * k0; b1 += y * k1; b2 += y * k2; b3 += y * k3;
+        for (int n = 0; n < NR; ++n) {
+            const float x = q[n * d + e];
+            acc[n][0] += x * k0; acc[n][1] += x * k1; acc[n][2] += x * k2; acc[n][3] += x * k3;
         }
     }
-    float* s = &sc.s[r * KB];
-    storev(s, a0); storev(s + 16, a1); storev(s + 32, a2); storev(s + 48, a3);
-    if (TWO) { storev(s + KB, b0); storev(s + KB + 16, b1); storev(s + KB + 32, b2); storev(s + KB + 48, b3); }
+    for (int n = 0; n < NR; ++n)
+        for (int c = 0; c < 4; ++c) storev(&sc.s[(r + n) * KB + 16 * c], acc[n][c]);
 }
 
 // Row r's scores of the block starting at key j0 (nk keys) masked (causal, window) and turned into
@@ -148,68 +171,103 @@ float block_softmax(Scratch& sc, i64 r, i64 j0, i64 nk, i64 window) {
     return corr;
 }
 
-// acc[r] = acc[r] * corr + p . V over the block, for NV vectors of 16 values from column d0.
-template <int NV, bool TWO>
-void block_values(Scratch& sc, i64 d, i64 r, i64 d0, i64 nk, float ca, float cb) {
-    v16 a[NV], b[NV];
-    float* acc_a = &sc.acc[r * d + d0];
-    float* acc_b = TWO ? acc_a + d : acc_a;
-    for (int c = 0; c < NV; ++c) {
-        a[c] = loadv(acc_a + 16 * c) * ca;
-        if (TWO) b[c] = loadv(acc_b + 16 * c) * cb;
-    }
-    const float* pa = &sc.s[r * KB];
-    const float* pb = TWO ? pa + KB : pa;
+// acc[r + n] = acc[r + n] * corr[n] + p . V over the block, n < NR, for NV vectors of 16 values
+// from column d0.
+template <int NV, int NR>
+void block_values(Scratch& sc, i64 d, i64 r, i64 d0, i64 nk, const float* corr) {
+    v16 acc[NR][NV];
+    for (int n = 0; n < NR; ++n)
+        for (int c = 0; c < NV; ++c) acc[n][c] = loadv(&sc.acc[(r + n) * d + d0 + 16 * c]) * corr[n];
+    const float* p = &sc.s[r * KB];
     for (i64 jj = 0; jj < nk; ++jj) {
         const float* v = &sc.vb[jj * d + d0];
-        const float x = pa[jj], y = pb[jj];
         for (int c = 0; c < NV; ++c) {
             const v16 vc = loadv(v + 16 * c);
-            a[c] += x * vc;
-            if (TWO) b[c] += y * vc;
+            for (int n = 0; n < NR; ++n) acc[n][c] += p[n * KB + jj] * vc;
         }
     }
-    for (int c = 0; c < NV; ++c) {
-        storev(acc_a + 16 * c, a[c]);
-        if (TWO) storev(acc_b + 16 * c, b[c]);
-    }
+    for (int n = 0; n < NR; ++n)
+        for (int c = 0; c < NV; ++c) storev(&sc.acc[(r + n) * d + d0 + 16 * c], acc[n][c]);
 }
 
-template <bool TWO>
+template <int NR>
 void fold_rows(Scratch& sc, i64 d, i64 r, i64 j0, i64 nk, i64 window) {
-    block_scores<TWO>(sc, d, r);
-    const float ca = block_softmax(sc, r, j0, nk, window);
-    const float cb = TWO ? block_softmax(sc, r + 1, j0, nk, window) : 1.0f;
+    block_scores<NR>(sc, d, r);
+    float corr[NR];
+    for (int n = 0; n < NR; ++n) corr[n] = block_softmax(sc, r + n, j0, nk, window);
     for (i64 d0 = 0; d0 < d; d0 += 64) {
         switch (std::min<i64>(4, (d - d0) / 16)) {
-            case 4: block_values<4, TWO>(sc, d, r, d0, nk, ca, cb); break;
-            case 3: block_values<3, TWO>(sc, d, r, d0, nk, ca, cb); break;
-            case 2: block_values<2, TWO>(sc, d, r, d0, nk, ca, cb); break;
-            default: block_values<1, TWO>(sc, d, r, d0, nk, ca, cb); break;
+            case 4: block_values<4, NR>(sc, d, r, d0, nk, corr); break;
+            case 3: block_values<3, NR>(sc, d, r, d0, nk, corr); break;
+            case 2: block_values<2, NR>(sc, d, r, d0, nk, corr); break;
+            default: block_values<1, NR>(sc, d, r, d0, nk, corr); break;
         }
     }
 }
 
-// Folds keys [first, last] (their slots in `slots`, KV head h) into the R rows of `sc`.
+// Folds the current block into rows [r0, r1): four at a time, then the rest.
+inline void fold_block(Scratch& sc, i64 d, i64 r0, i64 r1, i64 j0, i64 nk, i64 window) {
+    i64 r = r0;
+    for (; r + 4 <= r1; r += 4) fold_rows<4>(sc, d, r, j0, nk, window);
+    switch (r1 - r) {
+        case 3: fold_rows<3>(sc, d, r, j0, nk, window); break;
+        case 2: fold_rows<2>(sc, d, r, j0, nk, window); break;
+        case 1: fold_rows<1>(sc, d, r, j0, nk, window); break;
+        default: break;
+    }
+}
+
+// Prefetches the K and V rows (KV heads [h, h + nh)) of keys [j, j + n) that exist up to `last`,
+// so that their lines are on their way while the keys before them are folded.
 template <typename T>
-void fold_keys(const Paged& a, Scratch& sc, const i64* slots, i64 h, i64 R, i64 first, i64 last, i64 window) {
+void prefetch_rows(const Paged& a, const i64* slots, i64 h, i64 nh, i64 j, i64 n, i64 last) {
+    const i64 head = a.d * i64(sizeof(T)), bytes = nh * head, row = a.hkv * head;
+    for (i64 jj = j; jj < std::min<i64>(j + n, last + 1); ++jj) {
+        const i64 base = slots[jj] * row + h * head;
+        for (i64 off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(static_cast<const char*>(a.k_buf) + base + off, 0, 1);
+            __builtin_prefetch(static_cast<const char*>(a.v_buf) + base + off, 0, 1);
+        }
+    }
+}
+
+// Reads the block of keys [j0, j0 + nk) (KV head h) into `sc`: K transposed into kt, 16 keys by
+// 16 columns at a time (zeros past nk), V as rows into vb.
+template <typename T>
+void load_block(const Paged& a, Scratch& sc, const i64* slots, i64 h, i64 j0, i64 nk) {
     const i64 D = a.d, kv_row = a.hkv * D;
+    const T* k_buf = static_cast<const T*>(a.k_buf);
+    const T* v_buf = static_cast<const T*>(a.v_buf);
+    for (i64 g = 0; g < KB; g += 16) {
+        const T* rows[16];
+        for (int i = 0; i < 16; ++i) rows[i] = g + i < nk ? k_buf + slots[j0 + g + i] * kv_row + h * D : nullptr;
+        for (i64 c = 0; c < D; c += 16) {
+            v16 tile[16];
+            for (int i = 0; i < 16; ++i) tile[i] = rows[i] != nullptr ? load16<T>(rows[i] + c) : v16{};
+            transpose16(tile);
+            for (int i = 0; i < 16; ++i) storev(&sc.kt[(c + i) * KB + g], tile[i]);
+        }
+        for (i64 jj = g; jj < std::min<i64>(g + 16, nk); ++jj) {
+            const T* vp = v_buf + slots[j0 + jj] * kv_row + h * D;
+            for (i64 c = 0; c < D; c += 16) storev(&sc.vb[jj * D + c], load16<T>(vp + c));
+        }
+    }
+}
+
+// Folds keys [first, last] (their slots in `slots`) into the rows of `sc`: R rows for each KV head
+// of [h0, h0 + nh), head after head. A block's keys are read for all those heads before the next
+// block's, so a task over every head reads each key's whole row.
+template <typename T>
+void fold_keys(const Paged& a, Scratch& sc, const i64* slots, i64 h0, i64 nh, i64 R, i64 first, i64 last,
+               i64 window) {
+    prefetch_rows<T>(a, slots, h0, nh, first, AHEAD, last);
     for (i64 j0 = first; j0 <= last; j0 += KB) {
         const i64 nk = std::min<i64>(KB, last + 1 - j0);
-        for (i64 jj = 0; jj < nk; ++jj) {
-            const i64 base = slots[j0 + jj] * kv_row + h * D;
-            const T* kp = static_cast<const T*>(a.k_buf) + base;
-            const T* vp = static_cast<const T*>(a.v_buf) + base;
-            for (i64 e = 0; e < D; ++e) {
-                sc.kt[e * KB + jj] = load<T>(kp, e);
-                sc.vb[jj * D + e] = load<T>(vp, e);
-            }
+        for (i64 g = 0; g < nk; g += 16) prefetch_rows<T>(a, slots, h0, nh, j0 + g + AHEAD, 16, last);
+        for (i64 x = 0; x < nh; ++x) {
+            load_block<T>(a, sc, slots, h0 + x, j0, nk);
+            fold_block(sc, a.d, x * R, (x + 1) * R, j0, nk, window);
         }
-        for (i64 jj = nk; jj < KB; ++jj)
-            for (i64 e = 0; e < D; ++e) sc.kt[e * KB + jj] = 0.0f;
-        i64 r = 0;
-        for (; r + 1 < R; r += 2) fold_rows<true>(sc, D, r, j0, nk, window);
-        if (r < R) fold_rows<false>(sc, D, r, j0, nk, window);
     }
 }
 
@@ -229,7 +287,7 @@ void attend_shared(const Paged& a, Scratch& sc, i64 g, i64 h, i64 m0, i64 m1) {
         sc.l[r] = 0.0f;
         sc.pos[r] = shared - 1;  // every shared key is visible
     }
-    fold_keys<T>(a, sc, a.table + a.rows[lead] * a.table_stride, h, R, 0, shared - 1, 0);
+    fold_keys<T>(a, sc, a.table + a.rows[lead] * a.table_stride, h, 1, R, 0, shared - 1, 0);
     for (i64 r = 0; r < R; ++r) {
         const i64 i = a.members[m0 + r / G], head = h * G + r % G;
         float* part = a.partial + (i * a.hq + head) * (D + 2);
@@ -239,16 +297,17 @@ void attend_shared(const Paged& a, Scratch& sc, i64 g, i64 h, i64 m0, i64 m1) {
     }
 }
 
-// One task: request i, KV head h, new tokens [t0, t1) of the request, each with the G query heads
-// of that KV head: flash attention over the request's keys, read in place through its table row.
+// One task: request i, KV heads [h0, h0 + nh), new tokens [t0, t1) of the request, each with the
+// G query heads of each KV head: flash attention over the request's keys, read in place through
+// its table row. Row x * R + r is KV head h0 + x, token t0 + r / G, its query head r % G.
 template <typename T>
-void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
+void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h0, i64 nh, i64 t0, i64 t1) {
     const i64 G = a.hq / a.hkv, D = a.d, R = (t1 - t0) * G;
     const i64 prefix = a.prefix_lens[i], qs = a.q_starts[i];
     const i64* slots = a.table + a.rows[i] * a.table_stride;
     const i64 shared = a.shared_len != nullptr ? a.shared_len[i] : 0;  // keys its group attended
-    for (i64 r = 0; r < R; ++r) {
-        const i64 t = t0 + r / G, head = h * G + r % G;
+    for (i64 r = 0; r < nh * R; ++r) {
+        const i64 t = t0 + r % R / G, head = (h0 + r / R) * G + r % G;
         const T* src = static_cast<const T*>(a.q) + ((qs + t) * a.hq + head) * D;
         for (i64 e = 0; e < D; ++e) sc.q[r * D + e] = load<T>(src, e) * a.scale;
         if (shared > 0) {
@@ -265,9 +324,9 @@ void attend_block(const Paged& a, Scratch& sc, i64 i, i64 h, i64 t0, i64 t1) {
     }
     const i64 last = prefix + t1 - 1;
     const i64 first = std::max(shared, a.window > 0 ? std::max<i64>(0, prefix + t0 - a.window + 1) : i64(0));
-    fold_keys<T>(a, sc, slots, h, R, first, last, a.window);
-    for (i64 r = 0; r < R; ++r) {
-        const i64 t = t0 + r / G, head = h * G + r % G;
+    fold_keys<T>(a, sc, slots, h0, nh, R, first, last, a.window);
+    for (i64 r = 0; r < nh * R; ++r) {
+        const i64 t = t0 + r % R / G, head = (h0 + r / R) * G + r % G;
         T* dst = static_cast<T*>(a.out) + ((qs + t) * a.hq + head) * D;
         const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
         for (i64 e = 0; e < D; ++e) store<T>(dst, e, sc.acc[r * D + e] * inv);
@@ -281,13 +340,17 @@ constexpr i64 SERIAL_ELEMENTS = 1 << 17;  // the same for the elementwise kernel
 template <typename T>
 void paged_attention(const Paged& a, int nthreads) {
     const i64 G = a.hq / a.hkv, qb = block_tokens(G);
-    i64 total = 0, tasks = 0, work = 0;
+    i64 total = 0, work = 0, longest = 0;
     for (i64 i = 0; i < a.n_reqs; ++i) {
         const i64 n = a.extend_lens[i];
         total += n;
-        tasks += (n + qb - 1) / qb * a.hkv;
+        longest = std::max(longest, n);
         work += n * (a.prefix_lens[i] + (n + 1) / 2) * a.hq * a.d * 2;
     }
+    // A decode batch with enough requests to go round: one task per request, over all its heads.
+    const i64 nh = longest == 1 && a.n_reqs >= 2 * nthreads ? a.hkv : 1, per_token = a.hkv / nh;
+    i64 tasks = 0;
+    for (i64 i = 0; i < a.n_reqs; ++i) tasks += (a.extend_lens[i] + qb - 1) / qb * per_token;
     i64 group_tasks = 0;
     for (i64 g = 0; g < a.n_groups; ++g) group_tasks += (a.offsets[g + 1] - a.offsets[g] + qb - 1) / qb * a.hkv;
     const i64 row = a.hkv * a.d;
@@ -301,7 +364,7 @@ void paged_attention(const Paged& a, int nthreads) {
                 static_cast<T*>(a.v_buf)[slot * row + e] = static_cast<const T*>(a.v_new)[t * a.v_new_stride + e];
             }
         }
-        Scratch sc(qb * G, a.d);
+        Scratch sc(std::max(qb, nh) * G, a.d);
         #pragma omp for schedule(dynamic, 1)
         for (i64 task = 0; task < group_tasks; ++task) {  // shared keys first: the tasks below go on from them
             i64 rest = task, g = 0;
@@ -317,12 +380,12 @@ void paged_attention(const Paged& a, int nthreads) {
         for (i64 task = 0; task < tasks; ++task) {
             i64 rest = task, i = 0;
             for (;; ++i) {
-                const i64 n = (a.extend_lens[i] + qb - 1) / qb * a.hkv;
+                const i64 n = (a.extend_lens[i] + qb - 1) / qb * per_token;
                 if (rest < n) break;
                 rest -= n;
             }
-            const i64 h = rest % a.hkv, t0 = rest / a.hkv * qb;
-            attend_block<T>(a, sc, i, h, t0, std::min<i64>(t0 + qb, a.extend_lens[i]));
+            const i64 h = rest % per_token * nh, t0 = rest / per_token * qb;
+            attend_block<T>(a, sc, i, h, nh, t0, std::min<i64>(t0 + qb, a.extend_lens[i]));
         }
     }
 }

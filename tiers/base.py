@@ -96,7 +96,7 @@ class PagedAllocator:
         n = num_tokens // self.page_size
         if n > len(self._free_pages):
             return None
-        pages = self._free_pages[len(self._free_pages) - n:]
+        pages = self._free_pages[len(self._free_pages) - n:][::-1]  # ascending, as the stack pops
         del self._free_pages[len(self._free_pages) - n:]
         return self._slots_of(torch.tensor(pages, dtype=torch.int64))
 

@@ -17,12 +17,17 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler: th
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 40)])
-def test_paged_attention_matches_reference(dtype, window):
-    """Extend over cached prefixes and decode (one new token) in one ragged batch; the kernel
-    stores the new tokens' K/V itself, then reads the pool in place."""
+@pytest.mark.parametrize("dtype,window,decode", [(torch.float32, None, False), (torch.bfloat16, None, False),
+                                                 (torch.float32, 40, False), (torch.float32, None, True),
+                                                 (torch.bfloat16, 40, True)])
+def test_paged_attention_matches_reference(dtype, window, decode):
+    """Extend over cached prefixes and decode (one new token) in one ragged batch, or a batch
+    of decodes only (a task then covers all KV heads of a request); the kernel stores the new
+    tokens' K/V itself, then reads the pool in place."""
     gen = fresh_gen()
     prefixes, extends = [0, 37, 300, 5, 130], [70, 1, 20, 1, 1]
+    if decode:
+        prefixes, extends = [37, 300, 5, 130, 64, 1, 250, 90], [1] * 8
     c = extend_case(prefixes, extends, 16, 9, 3, 64, dtype, gen)
     c = type(c)(*(t.cpu() if isinstance(t, torch.Tensor) else [s.cpu() for s in t] for t in c))
     loc = torch.cat([s[p:] for s, p in zip(c.slots, prefixes)])
