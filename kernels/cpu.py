@@ -2,9 +2,10 @@
 (alone or after the residual add), RoPE, SiLU-and-multiply, oneDNN linears on prepacked
 weights, and linears of few rows on weights held exactly in GGUF's Q4_1 or Q8_0 blocks.
 
-The C++ sources (`cpu_ops.cpp`, `cpu_quant.cpp`, no torch headers) are compiled at first use with the machine's C++
-compiler (`-O3 -march=native -fopenmp`) into the user's cache folder, keyed by the sources, the
-compiler and the CPU's flags, and loaded with ctypes. Where no compiler exists or the build fails,
+The C++ sources (`cpu_ops.cpp`, `cpu_attention.cpp`, `cpu_quant.cpp`, the header `cpu_vec.h`; no
+torch headers) are compiled at first use with the machine's C++ compiler (`-O3 -march=native
+-fopenmp`) into the user's cache folder, keyed by the sources, the compiler and the CPU's flags,
+and loaded with ctypes. Where no compiler exists or the build fails,
 `library()` logs one warning and returns None: callers keep their torch paths. Each call runs an
 OpenMP team of torch's thread count, in torch's own libgomp (one pool for both).
 
@@ -30,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_quant.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_quant.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -62,7 +64,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in SOURCES), compiler, version, *FLAGS, _cpu_flags()]
+    parts = [*(source.read_text() for source in SOURCES + HEADERS), compiler, version, *FLAGS, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode())
     target = cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.exists():
