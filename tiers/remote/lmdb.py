@@ -35,6 +35,7 @@ once a second (on the worker's idle probe or on the next operation), then storag
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -43,6 +44,7 @@ import torch
 
 from hicache.tiers.remote.backend import BackendBase, BackendUnavailable
 from hicache.tiers.remote.disk import MIB, free_bytes
+from hicache.tiers.remote.framing import value_size
 from hicache.tiers.remote.lmdb_env import LmdbEnv, close_env, open_env
 
 GB = 10**9
@@ -141,7 +143,8 @@ class LmdbBackend(BackendBase):
         e = self._ready()
         if e.full is not None:  # a full disk that eviction could not help: drop fast until recheck
             raise BackendUnavailable(self.status())
-        items = list(zip((self.storage_key(k) for k in keys), self.encode_all(keys, pages)))
+        items = [(self.storage_key(k), value_size(p), functools.partial(self.encode, k, p))
+                 for k, p in zip(keys, pages)]
         written, nbytes = e.submit(e.put, items).result()
         self.count(set_pages=written, bytes_written=nbytes)
         return written
