@@ -20,7 +20,7 @@ from typing import Callable
 import lmdb
 import numpy as np
 
-from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare, release
+from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
@@ -109,14 +109,10 @@ class LmdbEnv:
         """Whether `key` holds a value, from `atime` (a value's pages are not read)."""
         return txn.get(key, db=self.atime) is not None
 
-    def read(self, txn, keys: list[bytes], decode) -> list[bool]:
-        """`decode(values)` on the values of `keys` in a read transaction (buffers into the map; None:
-        absent), whose pages then leave the resident set (`disk.release`)."""
-        values = [txn.get(k, db=self.pages) for k in keys]
-        try:
-            return decode(values)
-        finally:
-            release(values)
+    def get(self, txn, keys: list[bytes]) -> list:
+        """The values of `keys` in a read transaction (buffers into the map, valid while it lasts;
+        None: absent). The caller releases them (`disk.release`) once copied out."""
+        return [txn.get(k, db=self.pages) for k in keys]
 
     def _break(self, error: Truncated) -> None:
         if self.broken is None:
