@@ -88,7 +88,7 @@ class LmdbBackend(BackendBase):
         map_size, cap, sync, min_free = self._open_args
         envs: list[LmdbEnv] = []
         try:
-            folders = shard_folders(self.path, self._shards)
+            folders = shard_folders(self.path, self._shards, min_free)
             if len(folders) != self._shards:
                 logger.info("L3 lmdb: %s keeps %d shards (its layout file); shards=%d applies to new stores",
                             self.path, len(folders), self._shards)
@@ -121,6 +121,11 @@ class LmdbBackend(BackendBase):
         """How many shards the open store keeps (0 while it is not open)."""
         return len(self._envs or ())
 
+    def env_of(self, key: bytes) -> LmdbEnv:
+        """The shard that holds storage key `key` (BackendUnavailable while the store is not open)."""
+        envs = self._ready()
+        return envs[shard_of(key, len(envs))]
+
     def _by_shard(self, raw: list[bytes]) -> dict[int, list[int]]:
         """Indices of the storage keys `raw`, by the shard that holds them."""
         out: dict[int, list[int]] = {}
@@ -151,16 +156,14 @@ class LmdbBackend(BackendBase):
         return self._ns + bytes.fromhex(key)
 
     def batch_exists(self, keys: list[str]) -> int:
-        envs = self._ready()
+        self._ready()
         with contextlib.ExitStack() as stack:
             txns = {}
             for i, key in enumerate(keys):
                 raw = self.storage_key(key)
-                e = envs[shard_of(raw, len(envs))]
+                e = self.env_of(raw)
                 if e not in txns:
-                    try:
-                        e.check()
-                    except OSError:  # a truncated shard holds nothing
+                    if not _usable(e):  # a truncated shard holds nothing
                         return i
                     txns[e] = stack.enter_context(e.env.begin(buffers=True))
                 if not e.exists(txns[e], raw):
@@ -175,9 +178,7 @@ class LmdbBackend(BackendBase):
         with contextlib.ExitStack() as stack:  # buffers point into the maps: decode inside
             for s, idx in groups.items():
                 e = envs[s]
-                try:
-                    e.check()
-                except OSError:  # a truncated shard: its keys are misses
+                if not _usable(e):  # a truncated shard: its keys are misses
                     continue
                 txn = stack.enter_context(e.env.begin(buffers=True))
                 for i, value in zip(idx, e.get(txn, [raw[i] for i in idx])):
@@ -198,7 +199,10 @@ class LmdbBackend(BackendBase):
             raise BackendUnavailable(self.status())
         raw = [self.storage_key(k) for k in keys]
         items = [(r, value_size(p), functools.partial(self.encode, k, p)) for r, k, p in zip(raw, keys, pages)]
-        done = self._on_shards(envs, "put", {s: [items[i] for i in idx] for s, idx in self._by_shard(raw).items()})
+        groups = {s: [items[i] for i in idx] for s, idx in self._by_shard(raw).items() if _usable(envs[s])}
+        if not groups:  # every page's shard truncated
+            raise BackendUnavailable(self.status())
+        done = self._on_shards(envs, "put", groups)
         written, nbytes = sum(w for w, _ in done), sum(n for _, n in done)
         self.count(set_pages=written, bytes_written=nbytes)
         return written
@@ -249,3 +253,12 @@ class LmdbBackend(BackendBase):
             envs, self._envs = self._envs, None
         for env in envs or ():
             close_env(env)
+
+
+def _usable(env: LmdbEnv) -> bool:
+    """False for a shard whose `data.mdb` was truncated under it (its map is never read again)."""
+    try:
+        env.check()
+    except OSError:
+        return False
+    return True

@@ -17,6 +17,8 @@ import threading
 
 import crc32c
 
+from hicache.tiers.remote.disk import need_free
+
 LAYOUT = 2
 LAYOUT_FILE = "hicache-l3.json"
 MAX_SHARDS = 64
@@ -37,16 +39,17 @@ def check_shards(shards: int) -> int:
     return shards
 
 
-def shard_folders(path: str, shards: int) -> list[str]:
+def shard_folders(path: str, shards: int, min_free: int) -> list[str]:
     """The shard folders of the store at `path`: the layout file's count, or `shards` for a new
-    store (whose layout file this writes). OSError: an unusable folder, `OldLayout`, a layout file
-    that is not one."""
+    store (whose layout file this writes, given `min_free` bytes free). OSError: an unusable
+    folder, too little space for a new store, `OldLayout`, a layout file that is not one."""
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, "data.mdb")):
         raise OldLayout(errno.EEXIST, "holds an L3 store of the single-environment layout (data.mdb at the top); "
                         f"this version keeps {LAYOUT_FILE} and shard folders: move or delete it", path)
     file = os.path.join(path, LAYOUT_FILE)
     if not os.path.exists(file):
+        need_free(path, min_free)
         _create(file, shards)
     return [os.path.join(path, f"shard-{i:02d}") for i in range(_read(file))]
 
