@@ -1,15 +1,21 @@
-"""`lmdb`: the embedded L3, one LMDB environment on local disk (default `$HICACHE_HOME/storage/lmdb`).
+"""`lmdb`: the embedded L3, LMDB on local disk (default `$HICACHE_HOME/storage/lmdb`), in `shards`
+environments (default 8; `lmdb_layout.py`: the folder, and which shard holds a key), each with
+its share of the map and of `size_cap_gb`, its own eviction and byte count, and its own writer
+thread, so that the shards' write transactions run at once (py-lmdb releases the GIL in them).
 
-Layout: sub-database `pages` (namespace id (8 bytes) + page key (32 bytes) -> framed value),
+Each shard's layout: sub-database `pages` (namespace id (8 bytes) + page key (32 bytes) -> framed value),
 `atime` (same key -> last access ns, value size: two u64) and `lru` (last access ns (u64, big-endian)
 + key -> b""), an index from oldest to newest, and `meta` (b"bytes" -> total value bytes, u64). All
 of it changes in the same write transactions, so it survives restarts and a crash mid-write.
 
 Writes go through one writer thread per environment (`lmdb_env.py`; LMDB has one writer at a time): `batch_set`
-queues its pages and waits; reads (`batch_get`) queue an access-time update without waiting. When
-the stored bytes pass `size_cap_gb`, the writer deletes the least recently used pages down to 90%
-of the cap. A full map (`MapFullError`) makes it evict and retry; if that cannot help, the pages
-are dropped and counted, never raised into the server.
+queues each shard's pages to its writer and waits for all of them; the writer frames each value into
+one reused buffer (no new pages to fault in) and commits about every 32 MiB. Reads (`batch_get`)
+hold a read transaction on each shard the batch touches, check and copy the values on the framing
+pool, and queue an access-time update without waiting. When a shard's stored bytes pass its share
+of the cap, its writer deletes its least recently used pages down to 90% of it. A full map
+(`MapFullError`) makes it evict and retry; if that cannot help, the pages are dropped and counted,
+never raised into the server.
 
 A full disk (`disk.py` says why it cannot SIGBUS the process): a new store needs `min_free_mb`
 free to open (else it is degraded, as below). While serving, a write that would leave less than
@@ -20,18 +26,21 @@ and writes are blocked: the backend is degraded ("writes fail at <path>: ..."), 
 worker's probe unblocks writes once the disk has room for the failed write plus `min_free_mb` and
 a small write works.
 
-A store whose `data.mdb` was truncated under it is degraded ("... truncated ...") until the server
-restarts, its map never read again; values read leave the process's resident set once decoded
+A shard whose `data.mdb` was truncated under it is degraded ("... truncated ...") until the server
+restarts, its map never read again (its keys are misses, its pages are not written; the other
+shards serve); values read leave the process's resident set once decoded
 (`disk.py` says how, and what can still SIGBUS).
 
-Two engines of one process on the same path share the environment (LMDB allows one per process);
-several processes share it through LMDB's own locking.
+Two engines of one process on the same path share the environments (LMDB allows one per process);
+several processes share them through LMDB's own locking, and route keys alike (the layout file
+fixes the shard count).
 
 A path that cannot be opened (a file where the folder should be, no permission, not an LMDB
-file, a disk too full for a new store) does not stop the server: the backend is degraded like a
-Redis that is down (the reason, naming the path and the OS error, is logged once; every operation
-fails fast, so reads are counted misses and writes are dropped), and it retries the open at most
-once a second (on the worker's idle probe or on the next operation), then storage resumes.
+file, a folder of the single-environment layout, a disk too full for a new store) does not stop
+the server: the backend is degraded like a Redis that is down (the reason, naming the path and the
+OS error, is logged once; every operation fails fast, so reads are counted misses and writes are
+dropped), and it retries the open at most once a second (on the worker's idle probe or on the next
+operation), then storage resumes.
 """
 from __future__ import annotations
 
