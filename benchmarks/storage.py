@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--mooncake] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
+        [--l3-shards 1 4 8]
 
 1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
@@ -12,7 +13,7 @@
    `--mooncake-segment-mb`, so reads cross between them over TCP). GB/s = page bytes moved / wall
    time of the batch. `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x
    128, bf16, page 64 tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU
-   server.
+   server. `--l3-shards 1 4 8`: one LMDB run per shard count (default: the backend's default).
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
