@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--mooncake] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
+        [--l3-shards 1 4 8]
 
 1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
@@ -12,7 +13,7 @@
    `--mooncake-segment-mb`, so reads cross between them over TCP). GB/s = page bytes moved / wall
    time of the batch. `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x
    128, bf16, page 64 tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU
-   server.
+   server. `--l3-shards 1 4 8`: one LMDB run per shard count (default: the backend's default).
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
@@ -73,10 +74,12 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
         read_s.append(_timed(reader, reader.fetch, keys, into))
         assert torch.equal(dst.buffer.view(torch.uint8), src.buffer.view(torch.uint8)), "read back different bytes"
         dst.buffer.zero_()
+    shards = getattr(worker.backend, "shards", 0)
     worker.close()
     reader.close()
     nbytes = batch_pages * page_bytes
-    return {"backend": backend_name, "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages,
+    return {"backend": backend_name, "label": backend_name + (f" x{shards}" if shards else ""), "shards": shards,
+            "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages,
             "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
             "write_gbps": nbytes / statistics.median(write_s) / 1e9,
             "read_gbps": nbytes / statistics.median(read_s) / 1e9}
@@ -225,11 +228,14 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the page of the bandwidth runs")
     ap.add_argument("--batch-pages", type=int, default=BATCH)
     ap.add_argument("--lmdb-dir", default=None, help="folder for the bandwidth run's LMDB (default: a temp folder)")
+    ap.add_argument("--l3-shards", type=int, nargs="+", default=[None],
+                    help="LMDB shard counts to measure, one run each (default: the backend's default)")
     args = ap.parse_args()
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "bandwidth": []}
-    with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
-        record["bandwidth"].append(bandwidth("lmdb", {"path": folder}, args.batches, args.shape,
-                                             args.batch_pages))
+    for shards in args.l3_shards:
+        with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
+            options = {"path": folder} if shards is None else {"path": folder, "shards": shards}
+            record["bandwidth"].append(bandwidth("lmdb", options, args.batches, args.shape, args.batch_pages))
     if not args.skip_redis:
         proc, url = start_redis()
         try:
@@ -241,7 +247,7 @@ def main() -> None:
     if args.mooncake:
         record["bandwidth"].append(mooncake_bandwidth(args))
     for b in record["bandwidth"]:
-        print(f"{b['backend']:8s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
+        print(f"{b['label']:10s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
               f"({b['batch_pages']} pages of {b['page_bytes'] / 2**20:.2f} MiB a batch)")
     if not args.skip_multi_turn:
         record["multi_turn"] = multi_turn(args)

@@ -104,10 +104,13 @@ def reference(tiny_config_path):
 def flip_a_byte(path, namespace: str, key: str) -> None:
     import lmdb
 
-    env = lmdb.open(str(path), max_dbs=4)
+    from hicache.tiers.remote.lmdb_layout import shard_folders, shard_of
+
+    raw = bytes.fromhex(namespace)[:8] + bytes.fromhex(key)
+    shards = shard_folders(str(path), 1, 0)  # the store's own layout file decides
+    env = lmdb.open(shards[shard_of(raw, len(shards))], max_dbs=4)
     db = env.open_db(b"pages")
     with env.begin(write=True, db=db) as txn:
-        raw = bytes.fromhex(namespace)[:8] + bytes.fromhex(key)
         value = bytearray(txn.get(raw))
         value[len(value) // 2] ^= 0x40
         txn.put(raw, bytes(value))

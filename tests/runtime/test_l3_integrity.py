@@ -80,7 +80,7 @@ def reference(tiny_config_path):
 def populate(config_path, path, ps, secret=None) -> tuple[bytes, tuple]:
     """Runs `ps` on a scheduler over the LMDB at `path` until every page is stored; returns the
     model's seed and the shape of a page."""
-    sched = l3_scheduler(config_path, path=str(path), secret=secret)
+    sched = l3_scheduler(config_path, path=str(path), secret=secret, shards=1)  # one environment to tamper with
     run_each(sched, ps, "w")
     settle(sched)
     seed = sched.cache.storage.seed("")
@@ -97,9 +97,9 @@ def storage_key(seed: bytes, key: str) -> bytes:
 
 
 def tamper(path, edit) -> None:
-    """Runs `edit(txn)` in a write transaction on the `pages` sub-database of the LMDB at `path`,
-    opened with the lmdb package directly (no scheduler has it open)."""
-    env = lmdb.open(str(path), max_dbs=4)
+    """Runs `edit(txn)` in a write transaction on the `pages` sub-database of the (single) LMDB
+    shard at `path`, opened with the lmdb package directly (no scheduler has it open)."""
+    env = lmdb.open(str(path / "shard-00"), max_dbs=4)
     try:
         db = env.open_db(b"pages")
         with env.begin(write=True, db=db) as txn:

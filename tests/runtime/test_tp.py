@@ -91,14 +91,16 @@ def test_tp2_matches_tp1_through_retraction_load_back_and_prefetch(tp2, prompts,
 
 def _drop_follower_pages(sched, tokens: list[int]) -> None:
     """Deletes the pages of `tokens` that another rank than rank 0 stored (under its own namespace),
-    through rank 0's LMDB environment (the store the ranks share)."""
+    through rank 0's LMDB shards (the store the ranks share)."""
     seed = sched.cache.storage.seed("")
     keys = {bytes.fromhex(k) for k in page_keys(seed, tokens, PAGE)}
-    lmdb_env = sched.cache.storage.engine.local.backend._env
-    with lmdb_env.env.begin(write=True, db=lmdb_env.pages) as txn:
-        raw = [k for k, _ in txn.cursor() if k[:8] != seed[:8] and k[8:] in keys]
-        for k in raw:
-            txn.delete(k)
+    raw = []
+    for shard in sched.cache.storage.engine.local.backend._envs:
+        with shard.env.begin(write=True, db=shard.pages) as txn:
+            found = [k for k, _ in txn.cursor() if k[:8] != seed[:8] and k[8:] in keys]
+            for k in found:
+                txn.delete(k)
+        raw += found
     assert len(raw) == len(keys)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from hicache.pagekey import namespace_seed, page_keys
-from hicache.tiers.remote import disk, lmdb_env, make_backend
+from hicache.tiers.remote import disk, lmdb_env, lmdb_layout, make_backend
 from hicache.tiers.remote import lmdb as lmdb_tier
 
 NS = "00112233445566aa"
@@ -47,7 +48,8 @@ def test_a_store_truncated_under_it_degrades_where_plain_lmdb_dies_of_sigbus(tmp
         from hicache.tiers.remote.backend import BackendUnavailable
 
         def store(name):
-            b = make_backend("lmdb", {NS!r}, path={str(tmp_path)!r} + "/" + name, size_cap_gb=1, min_free_mb=0)
+            b = make_backend("lmdb", {NS!r}, path={str(tmp_path)!r} + "/" + name, size_cap_gb=1, min_free_mb=0,
+                             shards=1)
             k = page_keys(namespace_seed(name), list(range(64)), 4)
             b.batch_set(k, [torch.randn{SHAPE} for _ in k])
             return b, k
@@ -59,11 +61,11 @@ def test_a_store_truncated_under_it_degrades_where_plain_lmdb_dies_of_sigbus(tmp
                 return "unavailable: " + str(e)
 
         live, k = store("live")
-        os.truncate(live.path + "/data.mdb", 3 * 4096)
+        os.truncate(live.path + "/shard-00/data.mdb", 3 * 4096)
         out = [torch.empty{SHAPE} for _ in k]
         closed, _ = store("closed")
         closed.close()
-        os.truncate(closed.path + "/data.mdb", 3 * 4096)
+        os.truncate(closed.path + "/shard-00/data.mdb", 3 * 4096)
         reopened = make_backend("lmdb", {NS!r}, path=closed.path, min_free_mb=0)
         print(json.dumps({{"get": outcome(lambda: live.batch_get(k, out)), "exists": outcome(lambda: live.batch_exists(k)),
                           "set": outcome(lambda: live.batch_set(k[:1], out[:1])), "status": live.status(),
@@ -71,9 +73,10 @@ def test_a_store_truncated_under_it_degrades_where_plain_lmdb_dies_of_sigbus(tmp
     """)
     assert ours.returncode == 0, ours.stderr
     r = json.loads(ours.stdout)
-    data = tmp_path / "live" / "data.mdb"
+    data = tmp_path / "live" / "shard-00" / "data.mdb"
     assert r["status"].startswith(f"degraded: {data}: shrank from ") and "truncated under the store" in r["status"]
-    assert r["get"] == r["exists"] == r["set"] == f"unavailable: {r['status']}" and r["used"] == 0
+    assert r["get"] == repr([False] * 16) and r["exists"] == "0"  # counted misses, the map never read
+    assert r["set"] == f"unavailable: {r['status']}" and r["used"] == 0
     assert r["reopened"].startswith(f"degraded: cannot open {tmp_path / 'closed'}: Truncated: "), r["reopened"]
     assert "bytes, its pages need" in r["reopened"]
 
@@ -93,18 +96,18 @@ def mapped_kib(path: str) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from /proc (Linux)")
 def test_values_read_and_checked_leave_the_resident_set(tmp_path, monkeypatch):
-    b = make_backend("lmdb", NS, path=str(tmp_path / "l3"), size_cap_gb=1, min_free_mb=0)
+    b = make_backend("lmdb", NS, path=str(tmp_path / "l3"), size_cap_gb=1, min_free_mb=0, shards=1)
     k = page_keys(namespace_seed("rss"), list(range(256)), 4)
     pages = [torch.randn(SHAPE) for _ in k]
     assert b.batch_set(k, pages) == 64
     assert b.batch_set(k, pages) == 0 and b.batch_exists(k) == 64  # presence: no value read
     out = [torch.empty(SHAPE) for _ in k]
     assert b.batch_get(k, out) == [True] * 64 and all(torch.equal(a, c) for a, c in zip(out, pages))
-    data = os.path.join(b.path, "data.mdb")
+    data = os.path.join(b.path, "shard-00", "data.mdb")
     values_kib = 64 * pages[0].numel() * 4 // 1024
     assert os.path.getsize(data) // 1024 >= values_kib
     assert mapped_kib(data) < values_kib // 8, "the values' pages stayed mapped"
-    e = b._env
+    e = b._envs[0]
     with e.env.begin(buffers=True) as txn:  # what any read through the map leaves behind
         assert all(txn.get(b.storage_key(key), db=e.pages) is not None for key in k)
     assert mapped_kib(data) >= values_kib
@@ -117,20 +120,22 @@ def test_values_read_and_checked_leave_the_resident_set(tmp_path, monkeypatch):
 def test_a_sparse_data_file_on_a_full_disk_is_degraded_where_plain_lmdb_dies_of_sigbus(tmp_path, small_fs,
                                                                                        monkeypatch):
     monkeypatch.setattr(lmdb_tier, "REOPEN_INTERVAL_S", 0.0)
-    made = make_backend("lmdb", NS, path=str(tmp_path / "made"), size_cap_gb=1, min_free_mb=0)
+    made = make_backend("lmdb", NS, path=str(tmp_path / "made"), size_cap_gb=1, min_free_mb=0, shards=1)
     k = page_keys(namespace_seed("sparse"), list(range(64)), 4)
     made.batch_set(k, [torch.zeros(SHAPE) for _ in k])  # values of zeros: whole blocks of them
     made.close()
     store = small_fs.root / "l3"
-    store.mkdir()
-    subprocess.run(["cp", "--sparse=always", str(tmp_path / "made" / "data.mdb"), str(store)], check=True)
-    data = os.stat(store / "data.mdb")
+    shard = store / "shard-00"
+    shard.mkdir(parents=True)
+    shutil.copy(tmp_path / "made" / lmdb_layout.LAYOUT_FILE, store)
+    subprocess.run(["cp", "--sparse=always", str(tmp_path / "made" / "shard-00" / "data.mdb"), str(shard)], check=True)
+    data = os.stat(shard / "data.mdb")
     assert data.st_blocks * 512 < data.st_size // 2, "the copy should have holes"
-    disk.allocate(str(store / "lock.mdb"), disk.lock_file_bytes(lmdb_env.MAX_READERS))  # only data.mdb is sparse
+    disk.allocate(str(shard / "lock.mdb"), disk.lock_file_bytes(lmdb_env.MAX_READERS))  # only data.mdb is sparse
     small_fs.fill()
     plain = run_python(f"""
         import lmdb
-        env = lmdb.open({str(store)!r}, max_dbs=4, max_readers={lmdb_env.MAX_READERS})
+        env = lmdb.open({str(shard)!r}, max_dbs=4, max_readers={lmdb_env.MAX_READERS})
         with env.begin(db=env.open_db(b"pages")) as txn:
             print(sum(len(v) for _, v in txn.cursor()))
     """)

@@ -254,7 +254,8 @@ class RawStore:
             return self.client.get(key)
         if b.name == "mooncake":
             return self.client.get(key.decode())
-        with b._env.env.begin(db=b._env.pages) as txn:
+        env = b.env_of(key)
+        with env.env.begin(db=env.pages) as txn:
             return txn.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
@@ -266,7 +267,8 @@ class RawStore:
         elif b.name == "mooncake":
             assert self.client.upsert(key.decode(), value) == 0
         else:
-            with b._env.env.begin(write=True, db=b._env.pages) as txn:
+            env = b.env_of(key)
+            with env.env.begin(write=True, db=env.pages) as txn:
                 txn.put(key, value)
 
 
@@ -337,11 +339,12 @@ def test_lmdb_flipped_byte_is_a_counted_miss(tmp_path):
     k, p = keys(2), pages(2)
     b = lmdb_backend(tmp_path)
     b.batch_set(k, p)
+    raw = bytes.fromhex(NS) + bytes.fromhex(k[1])
+    shard = b.env_of(raw).path
     b.close()
-    env = lmdb.open(str(tmp_path), max_dbs=4)
+    env = lmdb.open(shard, max_dbs=4)
     db = env.open_db(b"pages")
     with env.begin(write=True, db=db) as txn:
-        raw = bytes.fromhex(NS) + bytes.fromhex(k[1])
         value = bytearray(txn.get(raw))
         value[HEADER_SIZE + 17] ^= 0x01
         txn.put(raw, bytes(value))
@@ -357,13 +360,13 @@ def test_lmdb_flipped_byte_is_a_counted_miss(tmp_path):
 
 def test_lmdb_evicts_least_recently_used_past_its_cap(tmp_path):
     value_bytes = len(encode(pages(1)[0], KEY))
-    b = lmdb_backend(tmp_path, size_cap_gb=10 * value_bytes / 1e9)  # room for 10 pages
+    b = lmdb_backend(tmp_path, size_cap_gb=10 * value_bytes / 1e9, shards=1)  # room for 10 pages, one LRU
     k, p = keys(30), pages(30)
     b.batch_set(k[:8], p[:8])
     time.sleep(0.01)
     b.batch_get(k[:2], [torch.empty(SHAPE) for _ in range(2)])  # pages 0 and 1 are now the newest
     for _ in range(100):  # the access-time update is queued to the writer thread
-        if b._env.submit(lambda: None).result() is None:
+        if b._envs[0].submit(lambda: None).result() is None:
             break
     b.batch_set(k[8:30], p[8:30])
     s = b.stats()
@@ -375,7 +378,7 @@ def test_lmdb_evicts_least_recently_used_past_its_cap(tmp_path):
 
 def test_lmdb_full_map_evicts_and_never_raises(tmp_path):
     value_bytes = len(encode(pages(1)[0], KEY))
-    b = lmdb_backend(tmp_path, size_cap_gb=1.0, map_size_gb=100 * value_bytes / 1e9)  # the map fills first
+    b = lmdb_backend(tmp_path, size_cap_gb=1.0, map_size_gb=100 * value_bytes / 1e9, shards=1)  # the map fills first
     k, p = keys(200), pages(200)
     for lo in range(0, 200, 20):
         b.batch_set(k[lo:lo + 20], p[lo:lo + 20])

@@ -53,6 +53,7 @@ def keys(n: int, salt: str = "") -> list[str]:
 
 def backend(path, **kw):
     kw.setdefault("min_free_mb", 0)
+    kw.setdefault("shards", 1)  # one environment: these tests reach into it
     return make_backend("lmdb", NS, path=str(path), size_cap_gb=1, **kw)
 
 
@@ -200,7 +201,7 @@ def test_a_full_disk_that_eviction_cannot_help_degrades_then_resumes_by_itself(s
     w.backup(k, src)  # its first two pages are dropped, then writes are blocked: the third fails fast
     backup = results(w, 1)[0]
     assert not backup.ok and backup.pages == 0 and w.stats()["errors"] == 1
-    assert w.status().startswith(f"degraded: writes fail at {b.path}: "), w.status()
+    assert w.status().startswith(f"degraded: writes fail at {b._envs[0].path}: "), w.status()
     assert b.stats()["dropped_pages"] == 2
     w.backup(k, src)
     assert not results(w, 1)[0].ok and w.stats()["errors"] == 2
@@ -263,7 +264,7 @@ class _FailingTxn:
 
 
 def inject(b, failures: int) -> FailingEnv:
-    env = b._env
+    env = b._envs[0]
     env.env = FailingEnv(env.env, env.pages, failures)
     return env.env
 
@@ -285,7 +286,7 @@ def test_writes_that_keep_failing_degrade_then_resume_when_space_returns(tmp_pat
     b.batch_set(keys(2, "old"), pages(2))
     fault = inject(b, failures=-1)
     assert b.batch_set(keys(4), pages(4)) == 0
-    assert b.status() == f"degraded: writes fail at {b.path}: DiskError: mdb_txn_commit: No space left on device"
+    assert b.status() == f"degraded: writes fail at {b._envs[0].path}: DiskError: mdb_txn_commit: No space left on device"
     assert b.stats()["write_failures"] == lmdb_env.WRITE_ATTEMPTS and b.stats()["dropped_pages"] == 4
     with pytest.raises(BackendUnavailable):
         b.batch_set(keys(4), pages(4))
@@ -314,8 +315,8 @@ def test_a_new_store_needs_its_free_space_and_is_retried(tmp_path, monkeypatch):
 
 def test_lmdb_maps_nothing_a_full_disk_could_sigbus(tmp_path):
     b = backend(tmp_path / "l3")
-    assert b._env.env.flags()["writemap"] is False  # data.mdb: read-only map, written with pwrite
-    lock = os.stat(tmp_path / "l3" / "lock.mdb")
+    assert b._envs[0].env.flags()["writemap"] is False  # data.mdb: read-only map, written with pwrite
+    lock = os.stat(tmp_path / "l3" / "shard-00" / "lock.mdb")
     assert lock.st_size == disk.lock_file_bytes(lmdb_env.MAX_READERS)
     assert lock.st_blocks * 512 >= lock.st_size  # every block allocated: no sparse page to fault in
     b.close()

@@ -64,9 +64,9 @@ class BackendBase:
         store sees it: what a value is bound to."""
         raise NotImplementedError
 
-    def encode(self, key: str, page: torch.Tensor) -> bytes:
-        """The value to store for `page` under page key `key`."""
-        return encode(page, self.storage_key(key), self._secret)
+    def encode(self, key: str, page: torch.Tensor, out=None) -> memoryview:
+        """The value to store for `page` under page key `key` (in `out`, if given: `framing.encode`)."""
+        return encode(page, self.storage_key(key), self._secret, out)
 
     def encode_all(self, keys: list[str], pages: list[torch.Tensor]) -> list[bytes]:
         """The values of a batch, framed on the pool."""

@@ -54,13 +54,18 @@ def prepare(path: str, max_readers: int, min_free: int) -> None:
     a SIGBUS too). OSError (ENOSPC) otherwise; the caller degrades and retries."""
     data = os.path.join(path, "data.mdb")
     if not os.path.exists(data):
-        free = free_bytes(path)
-        if free < min_free:
-            raise OSError(errno.ENOSPC, f"{free / MIB:.1f} MiB free, a new store needs {min_free / MIB:.1f} MiB "
-                          "(min_free_mb)", path)
+        need_free(path, min_free)
     allocate(os.path.join(path, "lock.mdb"), lock_file_bytes(max_readers))
     if os.path.exists(data):
         allocate(data, 0)
+
+
+def need_free(path: str, min_free: int) -> None:
+    """OSError (ENOSPC) unless the filesystem of `path` has `min_free` bytes free: what a new store needs."""
+    free = free_bytes(path)
+    if free < min_free:
+        raise OSError(errno.ENOSPC, f"{free / MIB:.1f} MiB free, a new store needs {min_free / MIB:.1f} MiB "
+                      "(min_free_mb)", path)
 
 
 def allocate(file: str, size: int) -> None:

@@ -69,13 +69,21 @@ def key_digest(key: bytes | str) -> bytes:
     return hashlib.blake2b(_raw_key(key), digest_size=16, person=_KEY_PERSON).digest()
 
 
-def encode(page: torch.Tensor, key: bytes | str, secret: bytes | None = None) -> memoryview:
+def value_size(page: torch.Tensor) -> int:
+    """The bytes of `page`'s value: header and payload."""
+    return HEADER_SIZE + page.numel() * page.element_size()
+
+
+def encode(page: torch.Tensor, key: bytes | str, secret: bytes | None = None,
+           out: np.ndarray | None = None) -> memoryview:
     """Header + the page's bytes (row-major), bound to the storage key `key` and, with `secret`
-    (from `check_secret`), MACed: a buffer made with one copy of the page."""
+    (from `check_secret`), MACed: a buffer made with one copy of the page, in a new buffer or at
+    the start of `out` (uint8, at least `value_size(page)` bytes; reusing one saves the page faults
+    of a new buffer)."""
     if page.dim() > 6 or page.dtype not in _DTYPES:
         raise ValueError(f"cannot frame a {page.dtype} tensor of {page.dim()} dims")
     nbytes = page.numel() * page.element_size()
-    value = np.empty(HEADER_SIZE + nbytes, dtype=np.uint8)
+    value = np.empty(HEADER_SIZE + nbytes, dtype=np.uint8) if out is None else out[:HEADER_SIZE + nbytes]
     payload = value[HEADER_SIZE:]
     np.copyto(payload.reshape(-1 if page.dim() == 0 else page.shape[:-1] + (-1,)), _byte_view(page))
     shape = list(page.shape) + [0] * (6 - page.dim())

@@ -15,15 +15,19 @@ import struct
 import threading
 import time
 
-import lmdb
+from typing import Callable
 
-from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare, release
+import lmdb
+import numpy as np
+
+from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
 LOW_WATERMARK = 0.9  # eviction goes down to this fraction of the cap
 MAX_READERS = 256
 WRITE_ATTEMPTS = 3  # a failed write evicts and retries this many times in all
+TXN_BYTES = 32 * MIB  # a write transaction holds about this many value bytes at most
 DROP_INTERVAL_S = 10.0  # the writer drops the map's pages from the resident set at most this often
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # last access ns, value bytes
@@ -59,6 +63,7 @@ class LmdbEnv:
             raise
         self.counters = {"evicted_pages": 0, "evicted_bytes": 0, "map_full": 0, "dropped_pages": 0,
                          "write_failures": 0, "disk_short": 0}
+        self._scratch = np.empty(0, dtype=np.uint8)  # the writer frames each value into it
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hicache-lmdb-writer", daemon=True)
         self._thread.start()
@@ -104,14 +109,10 @@ class LmdbEnv:
         """Whether `key` holds a value, from `atime` (a value's pages are not read)."""
         return txn.get(key, db=self.atime) is not None
 
-    def read(self, txn, keys: list[bytes], decode) -> list[bool]:
-        """`decode(values)` on the values of `keys` in a read transaction (buffers into the map; None:
-        absent), whose pages then leave the resident set (`disk.release`)."""
-        values = [txn.get(k, db=self.pages) for k in keys]
-        try:
-            return decode(values)
-        finally:
-            release(values)
+    def get(self, txn, keys: list[bytes]) -> list:
+        """The values of `keys` in a read transaction (buffers into the map, valid while it lasts;
+        None: absent). The caller releases them (`disk.release`) once copied out."""
+        return [txn.get(k, db=self.pages) for k in keys]
 
     def _break(self, error: Truncated) -> None:
         if self.broken is None:
@@ -120,15 +121,32 @@ class LmdbEnv:
 
     # ---- jobs (writer thread only) ------------------------------------------------------------
 
-    def put(self, items: list[tuple[bytes, bytes]]) -> tuple[int, int]:
-        """Stores the absent keys; returns (pages, bytes) written. A write that fails (full map, full
-        or failing disk) evicts and retries; past `WRITE_ATTEMPTS` the pages are dropped and counted,
-        and a disk failure blocks writes (`full`) until `recheck` clears it."""
-        nbytes = sum(len(v) for _, v in items)
-        self._make_room(nbytes)
+    def put(self, items: list[tuple[bytes, int, Callable]]) -> tuple[int, int]:
+        """Stores the absent keys of `items` (key, value size, `frame(out)`: writes the value into
+        the uint8 array `out` and returns it) in transactions of about `TXN_BYTES`; returns (pages,
+        bytes) written. A write that fails (full map, full or failing disk) evicts and retries; past
+        `WRITE_ATTEMPTS` the rest of the pages are dropped and counted, and a disk failure blocks
+        writes (`full`) until `recheck` clears it."""
         if time.monotonic() - self._dropped >= DROP_INTERVAL_S:
             self._dropped = time.monotonic()
             self.data.drop(self.env.info()["map_size"])
+        written = nbytes = 0
+        chunks = _chunks(items, TXN_BYTES)
+        for i, chunk in enumerate(chunks):
+            done = self._put_chunk(chunk)
+            if done is None:
+                dropped = sum(len(c) for c in chunks[i:])
+                self.counters["dropped_pages"] += dropped
+                logger.warning("L3 lmdb: %d pages dropped at %s (%s)", dropped, self.path,
+                               self.full or "the map stays full after eviction")
+                break
+            written, nbytes = written + done[0], nbytes + done[1]
+        return written, nbytes
+
+    def _put_chunk(self, items) -> tuple[int, int] | None:
+        """One write transaction (`put`); None once it failed `WRITE_ATTEMPTS` times."""
+        nbytes = sum(size for _, size, _ in items)
+        self._make_room(nbytes)
         error = None
         for attempt in range(WRITE_ATTEMPTS):
             try:
@@ -144,12 +162,9 @@ class LmdbEnv:
                 logger.warning("L3 lmdb write failed at %s (%s: %s); evicting %d bytes (attempt %d)", self.path,
                                type(e).__name__, e, need, attempt + 1)
             self._evict_some(need)
-        self.counters["dropped_pages"] += len(items)
-        if error is None:
-            logger.warning("L3 lmdb: %d pages dropped, the map stays full after eviction", len(items))
-        else:
+        if error is not None:
             self._block(f"writes fail at {self.path}: {type(error).__name__}: {error}", nbytes)
-        return 0, 0
+        return None
 
     def _make_room(self, nbytes: int) -> None:
         """When writing `nbytes` would leave the disk less than `min_free`, the write has to go into
@@ -190,9 +205,12 @@ class LmdbEnv:
     def _put(self, txn, items) -> tuple[int, int]:
         now, written, nbytes = time.time_ns(), 0, 0
         total = _read_u64(txn.get(_BYTES, db=self.meta))
-        for key, value in items:
+        for key, size, frame in items:
             if self.exists(txn, key):
                 continue
+            if len(self._scratch) < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            value = frame(self._scratch)  # LMDB copies it: the buffer serves the next value
             txn.put(key, value, db=self.pages)
             txn.put(key, _ATIME.pack(now, len(value)), db=self.atime)
             txn.put(_U64.pack(now) + key, b"", db=self.lru)
@@ -277,6 +295,18 @@ class LmdbEnv:
         self.check()
         with self.env.begin(db=self.meta) as txn:
             return _read_u64(txn.get(_BYTES))
+
+
+def _chunks(items: list, nbytes: int) -> list[list]:
+    """`items` (key, size, ...) cut into runs of about `nbytes` (at least one item each)."""
+    chunks, run, held = [], [], 0
+    for item in items:
+        if run and held + item[1] > nbytes:
+            chunks.append(run)
+            run, held = [], 0
+        run.append(item)
+        held += item[1]
+    return chunks + [run] if run else chunks
 
 
 def _read_u64(raw) -> int:
