@@ -22,6 +22,13 @@ with jump-forward over the rate without it, and each run's model steps (`forward
 `--long-keys` gives the schema's objects long property names (several tokens each: the text a
 grammar forces, which jump-forward appends without a model step per token).
 
+`--like-device` runs a CPU engine as one on a device runs: overlap scheduling on, jump-forward
+off. With a tiny model of the 8B's vocabulary the model step costs little, so that the host's
+part of a step (planning, sampling, the matchers' accept, the results) shows in `--profile`:
+
+    .venv/bin/python benchmarks/structured.py --model-path benchmarks/configs/tiny-llama-8b-vocab.json \
+        --load-format dummy --batch 64 --like-device --profile
+
 Dummy weights come with no tokenizer: the script then copies the config into a temporary folder
 beside the default model's tokenizer (its 49152 ids; the model's other ids are never allowed by a
 grammar, and decode to nothing).
@@ -153,6 +160,8 @@ def main() -> None:
     ap.add_argument("--compare-jump-forward", action="store_true",
                     help="also time the constrained run on an engine with disable_jump_forward")
     ap.add_argument("--long-keys", action="store_true", help="long property names in the schema")
+    ap.add_argument("--like-device", action="store_true",
+                    help="overlap scheduling on and jump-forward off, as on a device (for a CPU run)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path
@@ -162,8 +171,10 @@ def main() -> None:
         offs = [False, True] if args.compare_jump_forward else [False]
         # two engines share the device: each gets an L1 sized for the run instead of a memory fraction
         sized = {"max_total_tokens": 4 * 64 * (args.prompt_tokens + args.new_tokens)} if len(offs) > 1 else {}
-        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True, disable_jump_forward=off,
-                          **sized) for off in offs]
+        if args.like_device:
+            sized.update(enable_overlap_schedule=True)
+        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True,
+                          disable_jump_forward=off or args.like_device, **sized) for off in offs]
         try:
             run(engines, args, profile)
         finally:

@@ -1,8 +1,9 @@
 """Grammar-constrained decoding with XGrammar: checking, compiling, and one matcher per request.
 
-- `check_grammar(kind, text)` parses a grammar without a tokenizer (milliseconds): the front end
-  calls it through `SamplingParams.from_dict`, so a bad schema, regex or EBNF is a 400 naming the
-  field before anything is queued.
+- `check_grammar(kind, text)` parses a grammar without a tokenizer (a fraction of a millisecond to
+  milliseconds; the texts that parsed are remembered, so that a batch of requests with one schema
+  parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
+  regex or EBNF is a 400 naming the field before anything is queued.
 - `GrammarCompiler` belongs to the scheduler. It advances a step's matchers together (`accept`),
   and compiles for the model's tokenizer on a small
   thread pool, so that the scheduler thread never waits for a compilation: a request stays in the
@@ -32,6 +33,7 @@ accepted one is terminated, and the request finishes (`runtime/stop.py`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -58,6 +60,7 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_
 MAX_JSON_WHITESPACE = 16
 
 
+@functools.lru_cache(maxsize=CACHE_ENTRIES)  # an exception is not cached: a bad text is parsed again
 def check_grammar(kind: str, text: str) -> None:
     """Parses `text` as a grammar of `kind` (json_schema, regex, ebnf, structural_tag); raises
     ValueError starting with `kind` when it is not one."""
