@@ -14,7 +14,7 @@ alternate `--repeats` times; the best time of each counts. Prints both rates and
 commit: `--commit`, else git's HEAD, else "unknown"). `--profile` also prints, for each timed run,
 the milliseconds per step in the parts of a step (wrappers around the calls: `StepProfile.PARTS`
 says what each times; they nest: `launch` holds `fill wait` and `sampler`, `wait` a `launch`,
-`process` the `accept`; `fill` runs on a thread of its own, beside the scheduler's).
+`process` the `accept`; `feed` and `fill` run on a thread of its own, beside the scheduler's).
 
 `--compare-jump-forward` adds a second engine with `disable_jump_forward` and a third run, the
 same constrained requests there (alternating with the other two), and prints the constrained rate
@@ -81,19 +81,20 @@ class StepProfile:
         "plan": ("scheduler.Scheduler", "continue_decode", "planning a continuation"),
         "forward": ("runner.ModelRunner", "forward", "queuing a forward pass"),
         "launch": ("runner.PendingStep", "launch", "queuing a step's sampling, its fill wait included"),
-        "fill wait": ("grammar.PendingFill", "result", "waiting for a bitmask"),
+        "fill wait": ("bitmask.PendingFill", "result", "waiting for a bitmask"),
         "sampler": ("runner.Sampler", "launch", "queuing the sampling (mask applied)"),
         "wait": ("runner.PendingStep", "result", "waiting for a step's tokens (its launch included)"),
         "process": ("scheduler.Scheduler", "process_result", "applying a step's results"),
-        "accept": ("grammar.GrammarCompiler", "accept", "the matchers' batch accept (in process)"),
+        "accept": ("grammar.GrammarCompiler", "accept", "recording a step's tokens for the matchers (in process)"),
         "sample": ("runner.ModelRunner", "sample", "preparing a step's sampling"),
-        "fill": ("grammar", "_fill", "filling a bitmask, on the filler's thread"),
+        "fill": ("bitmask", "_fill", "filling a bitmask, on the filler's thread"),
+        "feed": ("bitmask", "_feed", "the matchers' batch accept, on the filler's thread before its fill"),
     }
 
     def __init__(self):
-        from hicache.runtime import grammar, runner, scheduler
+        from hicache.runtime import bitmask, grammar, runner, scheduler
 
-        rooms = {"grammar": grammar, "runner": runner, "scheduler": scheduler}
+        rooms = {"bitmask": bitmask, "grammar": grammar, "runner": runner, "scheduler": scheduler}
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         for name, (owner, attr, _) in self.PARTS.items():
