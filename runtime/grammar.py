@@ -15,9 +15,9 @@
   sampled under the grammar's bitmask is known to be accepted (the mask holds exactly the tokens
   the matcher accepts; whether a stop token ended the grammar follows), so the scheduler thread
   only records it, and the matcher is fed the step's tokens in one batch on the filler's thread,
-  before it fills the next bitmask (`runtime/bitmask.py: BitmaskFiller.start`). Whoever else reads the matcher
-  (`RequestGrammar.matcher`: jump-forward, retraction) first waits for that and feeds it what is
-  still pending.
+  before it fills the next bitmask (`runtime/bitmask.py: BitmaskFiller.start`). Whoever else
+  reads the matcher (`RequestGrammar.matcher`: jump-forward, retraction) first waits for that and
+  feeds it what is still pending.
 - Bitmasks are filled in `runtime/bitmask.py`, on a thread of the model runner's.
 - JSON schemas compile through `runtime/json_grammar.py`, which writes their length-bounded
   strings so that XGrammar precomputes their masks (a fill of such a string otherwise checks most
