@@ -13,8 +13,8 @@ host's results, outputs and planning. `runtime/constraint.py` applies the mask t
 the sampler, outside any CUDA graph.
 
 Before it fills, `BitmaskFiller`'s job feeds the matchers the tokens recorded since their last
-fill (`runtime/grammar.py: RequestGrammar.take`), in one batch accept per position on up to
-`FILL_THREADS` threads, so that the scheduler thread does not advance them itself.
+fill (`runtime/grammar.py: RequestGrammar.take`), in one batch accept per position, so that the
+scheduler thread does not advance them itself.
 """
 from __future__ import annotations
 
@@ -31,10 +31,8 @@ from hicache.runtime.grammar import refused
 if TYPE_CHECKING:
     from hicache.runtime.grammar import RequestGrammar
 
-# threads that fill a batch's bitmask rows, or feed its matchers: half the cores this process may
-# use, at most 16
+# threads that fill a batch's bitmask rows: half the cores this process may use, at most 16
 FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) // 2))
-ACCEPT_CHUNK = 8  # matchers a thread feeds at least
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -61,26 +59,22 @@ def allowed_ids(bitmask: torch.Tensor, ids: Sequence[int]) -> list[bool]:
     return ((words >> (t & 31)) & 1).astype(bool).tolist()
 
 
-def _feed(matchers: list, tokens: list[list[int]], pool: ThreadPoolExecutor | None = None) -> None:
-    """Each matcher accepts its tokens, in order: XGrammar's batch accept per position, on up to
-    `FILL_THREADS` threads of `pool` for a large batch (its C++ releases the GIL)."""
+def _feed(matchers: list, tokens: list[list[int]]) -> None:
+    """Each matcher accepts its tokens, in order: XGrammar's batch accept per position (one C++
+    call for the batch, without the GIL; on one thread, which takes the GIL back once, where a
+    pool's threads would each contend for it with the scheduler thread's Python)."""
     import xgrammar as xgr
 
     for k in range(max(map(len, tokens), default=0)):
         rows = [i for i, ts in enumerate(tokens) if len(ts) > k]
-        ms, ts = [matchers[i] for i in rows], [tokens[i][k] for i in rows]
-        parts = max(1, min(FILL_THREADS, len(rows) // ACCEPT_CHUNK)) if pool is not None else 1
-        ends = [len(rows) * j // parts for j in range(parts + 1)]
-        jobs = [pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, ms[a:b], ts[a:b])
-                for a, b in zip(ends[1:-1], ends[2:])] if parts > 1 else []
-        oks = xgr.BatchGrammarMatcher.batch_accept_token(ms[:ends[1]], ts[:ends[1]])
-        if not all(oks + [ok for job in jobs for ok in job.result()]):  # each was sampled under its bitmask
+        oks = xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in rows], [tokens[i][k] for i in rows])
+        if not all(oks):  # each was sampled under its bitmask
             refused()
 
 
 def _feed_and_fill(matchers: list, tokens: list[list[int]], rows: list[int], batch: int, vocab_size: int,
-                   pin: bool, pool: ThreadPoolExecutor) -> torch.Tensor:
-    _feed(matchers, tokens, pool)
+                   pin: bool) -> torch.Tensor:
+    _feed(matchers, tokens)
     return _fill(matchers, rows, batch, vocab_size, pin)
 
 
@@ -101,7 +95,6 @@ class BitmaskFiller:
 
     def __init__(self, device: torch.device | None = None):
         self._pool: ThreadPoolExecutor | None = None
-        self._feeders: ThreadPoolExecutor | None = None  # threads beside the filler's that feed matchers
         self._device = device if device is not None and device.type == "cuda" else None
 
     def start(self, grammars: Sequence[RequestGrammar | None], vocab_size: int) -> PendingFill | None:
@@ -116,10 +109,9 @@ class BitmaskFiller:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-bitmask",
                                             initializer=None if index is None else torch.cuda.set_device,
                                             initargs=() if index is None else (index,))
-            self._feeders = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hicache-feed")
         matchers, tokens = zip(*(grammars[i].take() for i in rows))
         future = self._pool.submit(_feed_and_fill, list(matchers), list(tokens), rows, len(grammars), vocab_size,
-                                   self._device is not None, self._feeders)
+                                   self._device is not None)
         for i in rows:
             grammars[i].lend(future)
         return PendingFill(future, rows, len(grammars))
@@ -127,7 +119,6 @@ class BitmaskFiller:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._feeders.shutdown(wait=True)
 
 
 class PendingFill:
