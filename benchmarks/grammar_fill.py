@@ -21,7 +21,8 @@ import time
 import torch
 
 from structured import schema
-from hicache.runtime.grammar import MAX_JSON_WHITESPACE, bitmask_words
+from hicache.runtime.bitmask import bitmask_words
+from hicache.runtime.grammar import MAX_JSON_WHITESPACE
 from hicache.runtime.json_grammar import json_schema_grammar
 
 

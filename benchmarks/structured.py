@@ -14,13 +14,20 @@ alternate `--repeats` times; the best time of each counts. Prints both rates and
 commit: `--commit`, else git's HEAD, else "unknown"). `--profile` also prints, for each timed run,
 the milliseconds per step in the parts of a step (wrappers around the calls: `StepProfile.PARTS`
 says what each times; they nest: `launch` holds `fill wait` and `sampler`, `wait` a `launch`,
-`process` the `accept`; `fill` runs on a thread of its own, beside the scheduler's).
+`process` the `accept`; `feed` and `fill` run on a thread of its own, beside the scheduler's).
 
 `--compare-jump-forward` adds a second engine with `disable_jump_forward` and a third run, the
 same constrained requests there (alternating with the other two), and prints the constrained rate
 with jump-forward over the rate without it, and each run's model steps (`forward_steps`).
 `--long-keys` gives the schema's objects long property names (several tokens each: the text a
 grammar forces, which jump-forward appends without a model step per token).
+
+`--like-device` runs a CPU engine as one on a device runs: overlap scheduling on, jump-forward
+off. With a tiny model of the 8B's vocabulary the model step costs little, so that the host's
+part of a step (planning, sampling, the matchers' accept, the results) shows in `--profile`:
+
+    .venv/bin/python benchmarks/structured.py --model-path benchmarks/configs/tiny-llama-8b-vocab.json \
+        --load-format dummy --batch 64 --like-device --profile
 
 Dummy weights come with no tokenizer: the script then copies the config into a temporary folder
 beside the default model's tokenizer (its 49152 ids; the model's other ids are never allowed by a
@@ -74,19 +81,20 @@ class StepProfile:
         "plan": ("scheduler.Scheduler", "continue_decode", "planning a continuation"),
         "forward": ("runner.ModelRunner", "forward", "queuing a forward pass"),
         "launch": ("runner.PendingStep", "launch", "queuing a step's sampling, its fill wait included"),
-        "fill wait": ("grammar.PendingFill", "result", "waiting for a bitmask"),
+        "fill wait": ("bitmask.PendingFill", "result", "waiting for a bitmask"),
         "sampler": ("runner.Sampler", "launch", "queuing the sampling (mask applied)"),
         "wait": ("runner.PendingStep", "result", "waiting for a step's tokens (its launch included)"),
         "process": ("scheduler.Scheduler", "process_result", "applying a step's results"),
-        "accept": ("grammar.GrammarCompiler", "accept", "the matchers' batch accept (in process)"),
+        "accept": ("grammar.GrammarCompiler", "accept", "recording a step's tokens for the matchers (in process)"),
         "sample": ("runner.ModelRunner", "sample", "preparing a step's sampling"),
-        "fill": ("grammar", "_fill", "filling a bitmask, on the filler's thread"),
+        "fill": ("bitmask", "_fill", "filling a bitmask, on the filler's thread"),
+        "feed": ("bitmask", "_feed", "the matchers' batch accept, on the filler's thread before its fill"),
     }
 
     def __init__(self):
-        from hicache.runtime import grammar, runner, scheduler
+        from hicache.runtime import bitmask, grammar, runner, scheduler
 
-        rooms = {"grammar": grammar, "runner": runner, "scheduler": scheduler}
+        rooms = {"bitmask": bitmask, "grammar": grammar, "runner": runner, "scheduler": scheduler}
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         for name, (owner, attr, _) in self.PARTS.items():
@@ -153,6 +161,8 @@ def main() -> None:
     ap.add_argument("--compare-jump-forward", action="store_true",
                     help="also time the constrained run on an engine with disable_jump_forward")
     ap.add_argument("--long-keys", action="store_true", help="long property names in the schema")
+    ap.add_argument("--like-device", action="store_true",
+                    help="overlap scheduling on and jump-forward off, as on a device (for a CPU run)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path
@@ -162,8 +172,10 @@ def main() -> None:
         offs = [False, True] if args.compare_jump_forward else [False]
         # two engines share the device: each gets an L1 sized for the run instead of a memory fraction
         sized = {"max_total_tokens": 4 * 64 * (args.prompt_tokens + args.new_tokens)} if len(offs) > 1 else {}
-        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True, disable_jump_forward=off,
-                          **sized) for off in offs]
+        if args.like_device:
+            sized.update(enable_overlap_schedule=True)
+        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True,
+                          disable_jump_forward=off or args.like_device, **sized) for off in offs]
         try:
             run(engines, args, profile)
         finally:

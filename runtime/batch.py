@@ -103,10 +103,12 @@ class ForwardBatch:
 
 
 class StepOutput(NamedTuple):
-    """Per request of the plan: the sampled token (None where the plan did not sample), and the
-    prompt log-probs its chunk scored (`PendingPromptLogprobs.result`; None where none)."""
+    """Per request of the plan: the sampled token (None where the plan did not sample), the
+    prompt log-probs its chunk scored (`PendingPromptLogprobs.result`; None where none), and
+    whether the grammars' bitmask allowed the token (None where the step sampled without one)."""
 
     next_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list | None]
     input_logprobs: list[list | None]
+    allowed: list[bool | None] | None = None

@@ -1,5 +1,5 @@
 """Logit constraints applied before the sampler's penalties and filters: OpenAI's `logit_bias` and
-the grammar's allowed-token bitmask (`runtime/grammar.py: fill_bitmask`).
+the grammar's allowed-token bitmask (`runtime/bitmask.py: fill_bitmask`).
 
 Both act on a copy of the logits, outside any CUDA graph: the bias is added to the listed tokens,
 then every token the bitmask does not allow gets -inf, so that penalties, temperature, top-k,

@@ -43,9 +43,10 @@ A step whose requests have grammars queues its sampling once its bitmask is fill
 thread, while the pass runs and the host applies the results before it, delivers outputs and
 plans the next step): at its launch when the fill is done by then, else at the start of the next
 `step()` (`PendingStep.launch`), after that step is planned. A continuation's bitmask starts
-filling as soon as the matchers have accepted step t's tokens (`Scheduler.process_result`'s
-`accepted`), before the requests' results (stop checks, outputs) are applied; a request that
-finished at step t leaves its row out when the continuation samples. With jump-forward on, which
+filling as soon as step t's tokens are recorded for the matchers (`Scheduler.process_result`'s
+`accepted`; the fill's job feeds them to the matchers first), before the requests' results (stop
+checks, outputs) are applied; a request that finished at step t leaves its row out when the
+continuation samples. With jump-forward on, which
 advances matchers while the results are applied, it starts once they are.
 
 Syncs that remain inside a continuation on CUDA: the sampler's top_p cut (`tolist`) and presence
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hicache.runtime.batch import BatchPlan
-from hicache.runtime.grammar import PendingFill
+from hicache.runtime.bitmask import PendingFill
 from hicache.runtime.pinned import tensor_to
 from hicache.runtime.runner import PendingStep
 

@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 class StepResults:
     def process_result(self, plan: BatchPlan, out: StepOutput, accepted: Callable[[], None] | None = None) -> None:
-        """Applies a step's results. `accepted` is called once the grammars' matchers have accepted
-        the step's tokens, before the requests' results (stop checks, jump-forward, outputs)."""
+        """Applies a step's results. `accepted` is called once the step's tokens are recorded for
+        the grammars' matchers (runtime/grammar.py), before the requests' results (stop checks,
+        jump-forward, outputs)."""
         dropped = self._settle_loads(plan) if plan.loads is not None else ()
         if plan.mode == "extend" and all(r.cache_kv for r in plan.reqs):  # not the warm-up (it compiles kernels)
             # the prefill rate that loads from L2 and L3 are weighed against
             self.cache.record_prefill(sum(plan.extend_lens), time.perf_counter() - plan.created)
-        self.grammars.accept([(req.grammar, out.next_ids[i]) for i, req in enumerate(plan.reqs)
+        self.grammars.accept([(req.grammar, out.next_ids[i], out.allowed and out.allowed[i])
+                              for i, req in enumerate(plan.reqs)
                               if req.grammar is not None and out.next_ids[i] is not None
                               and req.params.max_new_tokens != 0 and not (dropped and id(req) in dropped)])
         if accepted is not None:

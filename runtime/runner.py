@@ -12,7 +12,7 @@ import torch
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
-from hicache.runtime.grammar import BitmaskFiller, PendingFill
+from hicache.runtime.bitmask import BitmaskFiller, PendingFill, allowed_ids
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -52,7 +52,7 @@ class ModelRunner:
 
     def fill(self, reqs: list, sample: list[bool]) -> PendingFill | None:
         """Starts filling, on the filler's thread, the bitmask of those of `reqs` that sample (their
-        matchers have accepted every token appended so far; they must stay as they are until the
+        matchers are fed the tokens recorded so far first; they must stay as they are until the
         step has sampled). None when none of them has a grammar."""
         grammars = [r.grammar for r, s in zip(reqs, sample) if s]
         return self.bitmasks.start(grammars, self.model.config.vocab_size) if any(grammars) else None
@@ -140,9 +140,10 @@ class ModelRunner:
         args = (logits, [r.params for r in reqs], [r.generator for r in reqs], [r.input_ids for r in reqs],
                 [r.output_ids for r in reqs], [r.top_logprobs_num for r in reqs], [r.return_logprob for r in reqs])
 
-        def launch() -> PendingSample:
+        def launch() -> tuple[PendingSample, torch.Tensor | None]:
+            mask = None if bitmask is None else bitmask.result()
             with torch.inference_mode():
-                return self.sampler.launch(*args, None if bitmask is None else bitmask.result())
+                return self.sampler.launch(*args, mask), mask
 
         step = PendingStep(len(plan.reqs), rows, launch, plan.prompt_logprobs)
         if bitmask is None or bitmask.done():
@@ -166,18 +167,21 @@ def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 class PendingStep:
     """A step whose sampling is queued (`launch()`, at the latest by `next_ids` or `result()`):
     the sampled tokens of the sampling rows on the device (`next_ids`, [len(rows)] int64), the
-    plan's `StepOutput` once `result()` has waited for them (and for its prompt log-probs, if any)."""
+    plan's `StepOutput` once `result()` has waited for them (and for its prompt log-probs, if any).
+    `sample` queues the sampling and returns the grammars' host bitmask it applied, if any."""
 
-    def __init__(self, num_reqs: int, rows: list[int], sample: Callable[[], PendingSample] | None,
+    def __init__(self, num_reqs: int, rows: list[int],
+                 sample: Callable[[], tuple[PendingSample, torch.Tensor | None]] | None,
                  prompt: prompt_logprobs.PendingPromptLogprobs | None = None):
         self.num_reqs, self.rows, self.prompt = num_reqs, rows, prompt
         self._sample = sample
         self.pending: PendingSample | None = None
+        self._mask: torch.Tensor | None = None
 
     def launch(self) -> None:
         """Queues the sampling (once)."""
         if self._sample is not None:
-            self.pending, self._sample = self._sample(), None
+            (self.pending, self._mask), self._sample = self._sample(), None
 
     @property
     def next_ids(self) -> torch.Tensor | None:
@@ -195,4 +199,9 @@ class PendingStep:
         for j, i in enumerate(self.rows):
             out.next_ids[i], out.logprobs[i] = res.next_ids[j], res.logprobs[j]
             out.top_logprobs[i] = res.top_logprobs[j]
-        return out
+        if self._mask is None:
+            return out
+        allowed: list[bool | None] = [None] * n
+        for i, ok in zip(self.rows, allowed_ids(self._mask, res.next_ids)):
+            allowed[i] = ok
+        return out._replace(allowed=allowed)

@@ -14,7 +14,8 @@ import pytest
 
 from engines import make_engine
 from golden import first_difference
-from hicache.runtime.grammar import GrammarCompiler, fill_bitmask
+from hicache.runtime.bitmask import BitmaskFiller, allowed_ids, fill_bitmask
+from hicache.runtime.grammar import GrammarCompiler
 from hicache.runtime.jump_forward import forced_tokens
 from schemas import EBNFS, NAME, REGEXES, SCHEMAS, schema_prompt
 
@@ -125,30 +126,36 @@ def test_retraction_rolls_the_matcher_back(engine):
         compiler.close()
 
 
-def test_batch_accept_and_fill_on_threads_match_one_by_one(engine, monkeypatch):
-    """`GrammarCompiler.accept` and `fill_bitmask` on several threads (forced here: CI has two
-    cores) leave each matcher as accepting its own tokens one at a time does, a refused token
-    included."""
-    from hicache.runtime import grammar
+def test_tokens_recorded_by_their_bitmask_match_accepting_them_one_by_one(engine, monkeypatch):
+    """A step's tokens recorded by `GrammarCompiler.accept` with whether the bitmask they were
+    sampled under allowed them, the matchers fed them on the filler's thread before the next fill
+    (`BitmaskFiller`, filling on several threads: forced here, CI has two cores), leave each
+    grammar as accepting its tokens one at a time does: its accepted count, its end (a stop token)
+    or its refusal, its next bitmask; so does reading a matcher with tokens still pending."""
+    from hicache.runtime import bitmask
 
     tok = engine.tokenizer
-    compiler = GrammarCompiler(tok, 49152, [tok.eos_token_id])
+    compiler, filler = GrammarCompiler(tok, 49152, [tok.eos_token_id]), BitmaskFiller()
     texts = ['{"a": [1, 22]}', '[true, null]', '"xyz"', '{"b": {}}'] * 5
     try:
-        monkeypatch.setattr(grammar, "FILL_THREADS", 3)
+        monkeypatch.setattr(bitmask, "FILL_THREADS", 3)
         batch = [compiler.start("json_schema", "{}") for _ in texts]
         one = [compiler.start("json_schema", "{}") for _ in texts]
         for step in range(4):
             tokens = [(tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] * 4)[step] for t in texts]
             tokens[step] = tok.encode("}", add_special_tokens=False)[0]  # refused where no object is open
-            compiler.accept(list(zip(batch, tokens)))
-            for g, t in zip(one, tokens):
-                g.accept(t)
+            live = [i for i, g in enumerate(batch) if not g.finished]
+            mask = filler.start([batch[i] for i in live], 49152).result()
+            compiler.accept([(batch[i], tokens[i], ok) for i, ok in zip(live, allowed_ids(mask, [tokens[i] for i in live]))])
+            for i in live:
+                one[i].accept(tokens[i])
             assert [(g.accepted, g.rejected, g.finished) for g in batch] == [(g.accepted, g.rejected, g.finished) for g in one]
-            live = [None if g.finished else g for g in batch] + [None], [None if g.finished else g for g in one] + [None]
-            assert (fill_bitmask(live[0], 49152) == fill_bitmask(live[1], 49152)).all()
         assert any(g.rejected for g in batch) and any(g.finished and not g.rejected for g in batch)
+        live = [None if g.finished else g for g in batch] + [None], [None if g.finished else g for g in one] + [None]
+        assert (fill_bitmask(live[0], 49152) == fill_bitmask(live[1], 49152)).all()  # fed on this thread
+        assert (filler.start(live[0], 49152).result() == fill_bitmask(live[1], 49152)).all()
     finally:
+        filler.close()
         compiler.close()
 
 
