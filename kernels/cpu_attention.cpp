@@ -1,5 +1,6 @@
 // Paged attention on CPU (decode and extend, ragged batches, read in place through each request's
 // table row), built with cpu_ops.cpp by kernels/cpu.py and called through ctypes.
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -28,8 +29,10 @@ struct Paged {
 struct Scratch {
     std::vector<float> q, acc, kt, vb, s, m, l;
     std::vector<i64> pos;
+    std::vector<const float*> v;  // the block's value rows: in the pool (float32) or in vb
     Scratch(i64 rows, i64 d)
-        : q(rows * d), acc(rows * d), kt(d * KB), vb(KB * d), s(rows * KB), m(rows), l(rows), pos(rows) {}
+        : q(rows * d), acc(rows * d), kt(d * KB), vb(KB * d), s(rows * KB), m(rows), l(rows), pos(rows),
+          v(KB) {}
 };
 
 // The scores of rows r .. r + NR - 1 against one block of KB keys: s = q . k.
@@ -91,7 +94,7 @@ void block_values(Scratch& sc, i64 d, i64 r, i64 d0, i64 nk, const float* corr) 
         for (int c = 0; c < NV; ++c) acc[n][c] = loadv(&sc.acc[(r + n) * d + d0 + 16 * c]) * corr[n];
     const float* p = &sc.s[r * KB];
     for (i64 jj = 0; jj < nk; ++jj) {
-        const float* v = &sc.vb[jj * d + d0];
+        const float* v = sc.v[jj] + d0;
         for (int c = 0; c < NV; ++c) {
             const v16 vc = loadv(v + 16 * c);
             for (int n = 0; n < NR; ++n) acc[n][c] += p[n * KB + jj] * vc;
@@ -143,7 +146,7 @@ void prefetch_rows(const Paged& a, const i64* slots, i64 h, i64 nh, i64 j, i64 n
 }
 
 // Reads the block of keys [j0, j0 + nk) (KV head h) into `sc`: K transposed into kt, 16 keys by
-// 16 columns at a time (zeros past nk), V as rows into vb.
+// 16 columns at a time (zeros past nk), V rows read in place (float32) or converted into vb.
 template <typename T>
 void load_block(const Paged& a, Scratch& sc, const i64* slots, i64 h, i64 j0, i64 nk) {
     const i64 D = a.d, kv_row = a.hkv * D;
@@ -160,7 +163,12 @@ void load_block(const Paged& a, Scratch& sc, const i64* slots, i64 h, i64 j0, i6
         }
         for (i64 jj = g; jj < std::min<i64>(g + 16, nk); ++jj) {
             const T* vp = v_buf + slots[j0 + jj] * kv_row + h * D;
-            for (i64 c = 0; c < D; c += 16) storev(&sc.vb[jj * D + c], load16<T>(vp + c));
+            if constexpr (std::is_same<T, float>::value) {
+                sc.v[jj] = vp;
+            } else {
+                for (i64 c = 0; c < D; c += 16) storev(&sc.vb[jj * D + c], load16<T>(vp + c));
+                sc.v[jj] = &sc.vb[jj * D];
+            }
         }
     }
 }
