@@ -46,6 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from hicache import Engine
+from hicache.runtime.grammar import GrammarCompiler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -142,7 +143,25 @@ def timed(prompts: list[list[int]], runs: dict[str, tuple[Engine, dict]], repeat
                 print(f"{took:.3f} s, {profile.report(name, took)}")
             best[name] = (min(best[name][0], took), sum(len(o["output_ids"]) for o in outs),
                           engine.get_stats()["forward_steps"] - steps)
+            if "json_schema" in params:
+                refused = refused_outputs(engine, params["json_schema"], outs)
+                assert refused == 0, f"{name}: {refused} of {len(outs)} outputs hold a token their grammar refuses"
     return best
+
+
+def refused_outputs(engine: Engine, schema_text: str | dict, outs: list[dict]) -> int:
+    """How many outputs hold a token that a fresh matcher of the schema refuses where it stands."""
+    sched = engine.scheduler
+    compiler = GrammarCompiler(sched.tokenizer, sched.model_config.vocab_size, sched.model_config.eos_token_ids)
+    text = schema_text if isinstance(schema_text, str) else json.dumps(schema_text)
+    try:
+        refused = 0
+        for out in outs:
+            grammar = compiler.start("json_schema", text)
+            refused += not all(grammar.try_accept(token) for token in out["output_ids"])
+        return refused
+    finally:
+        compiler.close()
 
 
 def main() -> None:
