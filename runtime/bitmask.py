@@ -14,7 +14,8 @@ the sampler, outside any CUDA graph.
 
 Before it fills, `BitmaskFiller`'s job feeds the matchers the tokens recorded since their last
 fill (`runtime/grammar.py: RequestGrammar.take`), in one batch accept per position, so that the
-scheduler thread does not advance them itself.
+scheduler thread does not advance them itself; a large batch is fed and filled in chunks of rows
+on `FILL_THREADS` threads, each chunk's fill right after its own feed.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+CHUNK_ROWS = 16  # rows of a large batch that one thread feeds and fills
 _fillers = threading.local()  # each filling thread's xgrammar.BatchGrammarMatcher
+_chunk_pool: ThreadPoolExecutor | None = None  # the threads of a large batch's chunks
 
 
 def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> torch.Tensor | None:
@@ -74,17 +77,39 @@ def _feed(matchers: list, tokens: list[list[int]]) -> None:
 
 def _feed_and_fill(matchers: list, tokens: list[list[int]], rows: list[int], batch: int, vocab_size: int,
                    pin: bool) -> torch.Tensor:
-    _feed(matchers, tokens)
-    return _fill(matchers, rows, batch, vocab_size, pin)
+    """The filler's job: feed, then fill. A large batch goes in chunks of `CHUNK_ROWS` rows on
+    `FILL_THREADS` threads, each feeding its rows and filling them (a row's fill needs only its
+    own feed), so that feeding is spread over the threads too."""
+    if len(rows) < 2 * CHUNK_ROWS or FILL_THREADS == 1:
+        _feed(matchers, tokens)
+        return _fill(matchers, rows, batch, vocab_size, pin)
+    global _chunk_pool
+    if _chunk_pool is None:
+        _chunk_pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hicache-bitmask-rows")
+    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+
+    def chunk(a: int) -> None:
+        part = slice(a, a + CHUNK_ROWS)
+        _feed(matchers[part], tokens[part])
+        _batch_matcher(1).batch_fill_next_token_bitmask(matchers[part], mask, rows[part])
+
+    for done in [_chunk_pool.submit(chunk, a) for a in range(0, len(rows), CHUNK_ROWS)]:
+        done.result()
+    return mask
 
 
-def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+def _batch_matcher(threads: int):
+    """This thread's xgrammar.BatchGrammarMatcher on `threads` threads."""
     if not hasattr(_fillers, "matcher"):
         import xgrammar as xgr
 
-        _fillers.matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
+        _fillers.matcher = xgr.BatchGrammarMatcher(threads)
+    return _fillers.matcher
+
+
+def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-    _fillers.matcher.batch_fill_next_token_bitmask(matchers, mask, rows)
+    _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask(matchers, mask, rows)
     return mask
 
 

@@ -126,10 +126,12 @@ def test_retraction_rolls_the_matcher_back(engine):
         compiler.close()
 
 
-def test_tokens_recorded_by_their_bitmask_match_accepting_them_one_by_one(engine, monkeypatch):
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_tokens_recorded_by_their_bitmask_match_accepting_them_one_by_one(engine, monkeypatch, chunk_rows):
     """A step's tokens recorded by `GrammarCompiler.accept` with whether the bitmask they were
     sampled under allowed them, the matchers fed them on the filler's thread before the next fill
-    (`BitmaskFiller`, filling on several threads: forced here, CI has two cores), leave each
+    (`BitmaskFiller`, filling on several threads: forced here, CI has two cores; with
+    `chunk_rows`, a batch large enough to be fed and filled in chunks of rows), leave each
     grammar as accepting its tokens one at a time does: its accepted count, its end (a stop token)
     or its refusal, its next bitmask; so does reading a matcher with tokens still pending."""
     from hicache.runtime import bitmask
@@ -139,6 +141,8 @@ def test_tokens_recorded_by_their_bitmask_match_accepting_them_one_by_one(engine
     texts = ['{"a": [1, 22]}', '[true, null]', '"xyz"', '{"b": {}}'] * 5
     try:
         monkeypatch.setattr(bitmask, "FILL_THREADS", 3)
+        if chunk_rows is not None:
+            monkeypatch.setattr(bitmask, "CHUNK_ROWS", chunk_rows)
         batch = [compiler.start("json_schema", "{}") for _ in texts]
         one = [compiler.start("json_schema", "{}") for _ in texts]
         for step in range(4):
