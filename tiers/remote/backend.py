@@ -19,7 +19,7 @@ from hicache.tiers.remote.framing import CorruptValue, StaleValue, check_secret,
 
 logger = logging.getLogger(__name__)
 
-IO_THREADS = max(1, min(8, os.cpu_count() or 1))
+IO_THREADS = max(1, min(16, os.cpu_count() or 1))
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
