@@ -75,7 +75,8 @@ def with_default_tokenizer(config: str, folder: Path, tokenizer: str | None) -> 
 
 class StepProfile:
     """Seconds and calls of the parts of a step, by wrapping them: the scheduler thread's, but for
-    `fill` (the bitmask filler's thread, beside it)."""
+    `fill` and `feed` (the bitmask filler's thread beside it, and for a large batch the threads of
+    its chunks, whose times add up)."""
 
     PARTS = {  # name: (owner, attribute, what it times)
         "step": ("scheduler.Scheduler", "step", "Scheduler.step, all of it"),
@@ -88,7 +89,7 @@ class StepProfile:
         "process": ("scheduler.Scheduler", "process_result", "applying a step's results"),
         "accept": ("grammar.GrammarCompiler", "accept", "recording a step's tokens for the matchers (in process)"),
         "sample": ("runner.ModelRunner", "sample", "preparing a step's sampling"),
-        "fill": ("bitmask", "_fill", "filling a bitmask, on the filler's thread"),
+        "fill": ("bitmask", "_fill_into", "filling bitmask rows, on the filler's thread (or its chunks')"),
         "feed": ("bitmask", "_feed", "the matchers' batch accept, on the filler's thread before its fill"),
     }
 

@@ -91,7 +91,7 @@ def _feed_and_fill(matchers: list, tokens: list[list[int]], rows: list[int], bat
     def chunk(a: int) -> None:
         part = slice(a, a + CHUNK_ROWS)
         _feed(matchers[part], tokens[part])
-        _batch_matcher(1).batch_fill_next_token_bitmask(matchers[part], mask, rows[part])
+        _fill_into(mask, matchers[part], rows[part], 1)
 
     for done in [_chunk_pool.submit(chunk, a) for a in range(0, len(rows), CHUNK_ROWS)]:
         done.result()
@@ -109,8 +109,13 @@ def _batch_matcher(threads: int):
 
 def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-    _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask(matchers, mask, rows)
+    _fill_into(mask, matchers, rows, FILL_THREADS)
     return mask
+
+
+def _fill_into(mask: torch.Tensor, matchers: list, rows: list[int], threads: int) -> None:
+    """Row rows[k] of `mask`: what matchers[k] allows next."""
+    _batch_matcher(threads).batch_fill_next_token_bitmask(matchers, mask, rows)
 
 
 class BitmaskFiller:
