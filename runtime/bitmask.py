@@ -51,7 +51,9 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
-    return _fill([grammars[i].matcher for i in rows], rows, len(grammars), vocab_size)
+    mask = _all_allowed(len(grammars), vocab_size)
+    _fill_into(mask, [grammars[i].matcher for i in rows], rows, FILL_THREADS)
+    return mask
 
 
 def allowed_ids(bitmask: torch.Tensor, ids: Sequence[int]) -> list[bool]:
@@ -64,8 +66,7 @@ def allowed_ids(bitmask: torch.Tensor, ids: Sequence[int]) -> list[bool]:
 
 def _feed(matchers: list, tokens: list[list[int]]) -> None:
     """Each matcher accepts its tokens, in order: XGrammar's batch accept per position (one C++
-    call for the batch, without the GIL; on one thread, which takes the GIL back once, where a
-    pool's threads would each contend for it with the scheduler thread's Python)."""
+    call for the rows, without the GIL)."""
     import xgrammar as xgr
 
     for k in range(max(map(len, tokens), default=0)):
@@ -80,13 +81,14 @@ def _feed_and_fill(matchers: list, tokens: list[list[int]], rows: list[int], bat
     """The filler's job: feed, then fill. A large batch goes in chunks of `CHUNK_ROWS` rows on
     `FILL_THREADS` threads, each feeding its rows and filling them (a row's fill needs only its
     own feed), so that feeding is spread over the threads too."""
+    mask = _all_allowed(batch, vocab_size, pin)
     if len(rows) < 2 * CHUNK_ROWS or FILL_THREADS == 1:
         _feed(matchers, tokens)
-        return _fill(matchers, rows, batch, vocab_size, pin)
+        _fill_into(mask, matchers, rows, FILL_THREADS)
+        return mask
     global _chunk_pool
     if _chunk_pool is None:
         _chunk_pool = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="hicache-bitmask-rows")
-    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
 
     def chunk(a: int) -> None:
         part = slice(a, a + CHUNK_ROWS)
@@ -107,10 +109,8 @@ def _batch_matcher(threads: int):
     return _fillers.matcher
 
 
-def _fill(matchers: list, rows: list[int], batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
-    mask = torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-    _fill_into(mask, matchers, rows, FILL_THREADS)
-    return mask
+def _all_allowed(batch: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    return torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
 
 
 def _fill_into(mask: torch.Tensor, matchers: list, rows: list[int], threads: int) -> None:
