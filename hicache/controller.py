@@ -309,12 +309,13 @@ class CacheController(ControllerAudit):
         """L1 <-> L2 copies or L3 operations in flight (folded in by `poll`)."""
         return bool(self.transfers.ops) or (self.storage is not None and self.storage.busy())
 
-    def start_loads(self) -> None:
+    def start_loads(self, whole: bool = False) -> None:
         """Starts the load-backs submitted so far: an engine may hold them back so that one batch's
-        loads are queued together, layer by layer (the scheduler calls this once its plan is made)."""
+        loads are queued together, layer by layer (the scheduler calls this once its plan is made);
+        `whole`: every layer at once rather than as the forward pass reaches them."""
         start = getattr(self.transfer, "start_loads", None)
         if start is not None:
-            start()
+            start(whole)
 
     def ordered_after(self, event):
         """A context in which new L1 <-> L2 copies follow only the device work queued before

@@ -269,14 +269,15 @@ class CacheManager:
             lease._loads = frozenset()
 
     def load_handle(self, leases: list[Lease]) -> LoadHandle | None:
-        """The loads a batch over `leases` must wait for (None if none), started now that the
-        batch is known, so that its loads are queued together."""
+        """The loads a batch over `leases` must wait for (None if none)."""
         tickets = frozenset().union(*(lease._loads for lease in leases))
-        if not tickets:
-            return None
-        handle = LoadHandle(self.controller, tickets)
-        self.controller.start_loads()
-        return handle
+        return LoadHandle(self.controller, tickets) if tickets else None
+
+    def start_loads(self, whole: bool = False) -> None:
+        """Starts the load-backs submitted so far, now that the step is planned, so that they are
+        queued together (`CacheController.start_loads`); `whole`: every layer of them at once,
+        when some belong to requests that sit the step out (no forward pass paces their copies)."""
+        self.controller.start_loads(whole)
 
     def poll(self, leases: list[Lease]) -> list[Lease]:
         """Folds in finished transfers. Returns those of `leases` whose load-back failed: the
@@ -317,8 +318,9 @@ class CacheManager:
         if self.storage is not None:
             self.storage.grace()
 
-    def prefetches_waiting(self) -> bool:
-        return self.storage is not None and bool(self.storage.waiting())
+    def prefetches_ready(self) -> bool:
+        """Some waiting request's prefetch lets it be scheduled now (`StorageController.releasable`)."""
+        return self.storage is not None and self.storage.releasable()
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for what may change that (L3 answers, tier copies)."""

@@ -307,9 +307,9 @@ class StorageController:
         self.engine.wait(timeout)
 
     def grace(self) -> None:
-        """Before a prefill batch is formed: waits up to `prefetch_grace` seconds for the queries
-        and fetches of waiting requests, so that a request whose pages are about to land is not
-        left out of a batch that may take long (policies that wait only)."""
+        """Before a prefill batch is formed while nothing decodes: waits up to `prefetch_grace`
+        seconds for the queries and fetches of waiting requests, so that a request whose pages are
+        about to land is not left out of a batch that may take long (policies that wait only)."""
         if self.options.policy == "best_effort":
             return
         end = time.monotonic() + self.options.prefetch_grace
@@ -354,6 +354,11 @@ class StorageController:
 
     def waiting(self) -> int:
         return len(self._by_rid)
+
+    def releasable(self) -> bool:
+        """Whether `ready()` would now let some waiting request be scheduled: its prefetch has
+        landed, found nothing to fetch, or ran out of the policy's time."""
+        return any(op.phase == "done" or op.finished or self._may_stop(op) for op in self._by_rid.values())
 
     def stats(self) -> dict:
         self.poll()  # an idle scheduler does not step: fold in what finished since

@@ -33,6 +33,8 @@ class RuntimeConfig:
     enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
     disable_prefill_ahead: bool = field(default=False, metadata={"help": "With overlap scheduling, drain every prefill step (apply its results) before planning the next, instead of launching the next prefill step while it runs."})
     prefill_ahead_l1_share: float = field(default=0.5, metadata={"help": "With prefill steps launched ahead and an L2: the share of the L1 pool that one prefill step's requests may hold together (past its first request), so that the next step's load-backs find room while it runs; 1: no cap."})
+    disable_decode_while_loading: bool = field(default=False, metadata={"help": "Run a request whose cached prefix is being loaded back from L2 in the next prefill step at once, its attention waiting layer by layer for the copy, instead of letting the running requests decode while the copy lands and running it in the first step after (the default on CUDA)."})
+    enable_decode_while_loading: bool = field(default=False, metadata={"help": "Decode while loading on CPU too, where a load-back is a synchronous copy (no speedup there: for tests)."})
     disable_jump_forward: bool = field(default=False, metadata={"help": "Decode each token a request's grammar forces with a model step of its own, instead of appending the forced run at once and computing it in the next step (jump-forward, the default on CPU)."})
     enable_jump_forward: bool = field(default=False, metadata={"help": "Jump-forward on CUDA too (off there by default: an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
@@ -48,6 +50,8 @@ class RuntimeConfig:
         check_names(self.attention_backend, self.decode_attention_backend)  # the registry's names
         if self.disable_overlap_schedule and self.enable_overlap_schedule:
             raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
+        if self.disable_decode_while_loading and self.enable_decode_while_loading:
+            raise ValueError("disable_decode_while_loading and enable_decode_while_loading contradict each other")
         if self.disable_jump_forward and self.enable_jump_forward:
             raise ValueError("disable_jump_forward and enable_jump_forward contradict each other")
         if self.tp_size < 1:

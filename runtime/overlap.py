@@ -6,7 +6,8 @@ while the host builds the batch, checks stops and emits. With it (`Scheduler.ste
 a step's results are applied one `step()` later:
 
 - A step that follows a decode step of the whole running set (or an extend of every running
-  request's forced run or next token: jump-forward), with nothing admittable waiting
+  request's forced run or next token: jump-forward; requests that sit out while their prefix
+  loads back, `BudgetPolicy.parks`, do not count until their load lands), with nothing admittable waiting
   (an empty queue, a full batch, or a queue the last `schedule()` could not admit from with no
   arrival, finish, abort or retraction since), is the *continuation*: the same requests (less
   those whose step-t token is their last by length) decode the next position, reading their
@@ -77,7 +78,7 @@ class Launched(NamedTuple):
 class OverlapLoop:
     """Owned by the scheduler; runs on its thread. It uses the scheduler's public surface:
     `schedule`, `process_result`, `continue_decode`, `running`, `waiting`, `queue_version`,
-    `early_releases`, `runner` and `cache.ordered_after` / `cache.prefetches_waiting`."""
+    `early_releases`, `runner` and `cache.ordered_after` / `cache.prefetches_ready`."""
 
     def __init__(self, sched: Scheduler, prefill_ahead: bool = True):
         self.sched = sched
@@ -147,9 +148,11 @@ class OverlapLoop:
         """The decode step after `prev` for the same requests, planned before prev's tokens reach
         the host, with the positions in prev of its requests; None when the batch would change."""
         s, plan = self.sched, prev.plan
-        if plan.loads is not None or len(plan.reqs) != len(s.running) or not all(plan.sample):
-            return None  # loads None: no request of the plan (= all running) waits on a load-back; a
-            # request that did not sample jumped forward: its forced run is computed by an extend
+        if plan.loads is not None or not all(plan.sample):
+            return None  # loads None: no request of the plan waits on a load-back; a request that
+            # did not sample jumped forward: its forced run is computed by an extend
+        if len(plan.reqs) != len(s.running) and len(plan.reqs) + self._loading() != len(s.running):
+            return None  # another request runs: it computes its prompt next
         if plan.mode != "decode" and not (plan.joined and all(start >= len(r.input_ids)
                                                               for r, start in zip(plan.reqs, plan.starts))):
             return None  # a prefill step; an extend of forced runs and decoding requests continues
@@ -157,12 +160,23 @@ class OverlapLoop:
             return None  # admission may change the batch
         return s.continue_decode(plan)
 
+    def _loading(self) -> int:
+        """Running requests that sit out the steps while their prefix loads back, with their loads
+        still in flight (one whose load has landed joins the next step; the launched step, which
+        waits for no load, holds none of them)."""
+        s = self.sched
+        s.cache.collect()
+        parked = [r for r in s.running if r.lease.loading]
+        for r in parked:
+            s.cache.refresh(r.lease)
+        return sum(r.lease.loading for r in parked)
+
     def _still_blocked(self) -> bool:
         """Nothing could be admitted at the last schedule() and nothing changed since (no arrival,
-        admission, finish, abort or retraction, no L3 prefetch pending, no grammar compiling): decoding
+        admission, finish, abort or retraction, no L3 prefetch landed, no grammar compiling): decoding
         on delays no one."""
         s = self.sched
-        return self._blocked_at == s.queue_version and not s.cache.prefetches_waiting() and not s.grammars_compiling()
+        return self._blocked_at == s.queue_version and not s.cache.prefetches_ready() and not s.grammars_compiling()
 
     def _apply(self, prev: Launched, cont: BatchPlan | None, fence: torch.cuda.Event | None) -> PendingFill | None:
         """Applies prev's results (their backups ordered after `fence`). With a continuation `cont`

@@ -3,7 +3,8 @@
 How many prompt tokens a step may take (`max_prefill_tokens`) and a request may take in one step
 (`chunked_prefill_size`), how many requests run together, in which order waiting requests are
 considered (`schedule_policy`), which request is retracted when L1 runs out, and how much of L1
-one prefill step may hold when steps are launched ahead with an L2 to load back from.
+one prefill step may hold when steps are launched ahead with an L2 to load back from, and which
+requests sit out a prefill step while their prefix loads back.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class BudgetPolicy:
     def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool,
                  cuda: bool = False):
         self.page_size = page_size
+        self.decode_while_loading = rc.enable_decode_while_loading or (cuda and not rc.disable_decode_while_loading)
         self.max_prefill_tokens = rc.max_prefill_tokens or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU)
         self.max_running = rc.max_running_requests
         self.chunk_size = rc.chunked_prefill_size
@@ -59,6 +61,20 @@ class BudgetPolicy:
         (with a launched prefill step, all running requests decode next)."""
         decoding = len(running) if launched else sum(1 for r in running if r.kv_len >= r.seq_len - 1)
         return self.page_size * decoding
+
+    def parks(self, req: Req, running: list[Req]) -> bool:
+        """Whether `req`, whose prefix a load-back is still copying into L1, sits out the next step:
+        while some running request decodes, the copy lands beside the decode steps
+        (the copy engines take no SM from them) instead of holding a prefill step, and every
+        decoding request with it, until its layers have arrived."""
+        return (self.decode_while_loading and req.lease.loading
+                and any(r.kv_len >= r.seq_len - 1 and not r.lease.loading for r in running if r is not req))
+
+    def parked(self, running: list[Req], plan) -> bool:
+        """Whether a running request outside `plan` (a `BatchPlan` or None) sits out while its load
+        lands: no forward pass paces that load's copies, so they go out whole."""
+        planned = {id(r) for r in plan.reqs} if plan is not None else set()
+        return any(self.parks(r, running) for r in running if id(r) not in planned)
 
     def wait_for_launched(self, req: Req, matched: int, launched: list[Req]) -> bool:
         """True when a request of a launched, unapplied step shares at least a page of `req`'s

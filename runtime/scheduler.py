@@ -191,6 +191,7 @@ class Scheduler(StepResults):
         if plan is not None:  # load-backs in flight: each layer's attention waits for its own layer, on
             # the device; process_result settles them before any token goes out
             plan.loads = self.cache.load_handle([r.lease for r in plan.reqs])
+        self.cache.start_loads(whole=after is None and self.policy.parked(self.running, plan))
         if plan is not None and plan.loads is not None:
             plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
                                if r.lease.loading and s and r.generator is not None}
@@ -209,8 +210,8 @@ class Scheduler(StepResults):
         """A prefill batch: running requests' next chunks, then admissions in policy order. With
         `after` (launched, not applied), the running requests are its own: their next chunks start
         where its chunks end, and memory comes from the free pool and the tree only."""
-        if self.waiting:
-            self.cache.prefetch_grace()
+        if self.waiting and not any(r.kv_len >= r.seq_len - 1 for r in self.running):
+            self.cache.prefetch_grace()  # (never while requests decode: it would hold their next token)
         self.cache.set_prefill_backlog(sum(max(0, len(r.input_ids) - r.kv_len) for r in (*self.waiting, *self.running)))
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.policy.max_prefill_tokens
@@ -225,7 +226,8 @@ class Scheduler(StepResults):
         for req in sorted(self.running, key=lambda r: r.arrival_seq) if after is None else ():
             if req in self.running and req.kv_len < req.seq_len - 1:
                 self.cache.refresh(req.lease)
-                budget -= self._add_chunk(plan, req, budget)
+                if not self.policy.parks(req, self.running):
+                    budget -= self._add_chunk(plan, req, budget)
         if after is None and any(r.grammar is not None and start >= len(r.input_ids)
                                  for r, start in zip(plan.reqs, plan.starts)):
             self._schedule_decode(plan)  # a forced run (jump-forward) is computed with the decoding requests
@@ -260,6 +262,8 @@ class Scheduler(StepResults):
             if n == 0:
                 break
             self.cache.refresh(req.lease)
+            if after is None and self.policy.parks(req, self.running):
+                continue  # its first chunk runs once its load has landed
             budget -= n
             self._add_chunk(plan, req, n, allocated=True)
 
@@ -324,6 +328,8 @@ class Scheduler(StepResults):
         for req in sorted(self.running, key=lambda r: r.arrival_seq):
             if id(req) not in planned and req in self.running and req.kv_len == req.seq_len - 1:
                 self.cache.refresh(req.lease)
+                if self.policy.parks(req, self.running):
+                    continue
                 if self.cache.grow(req.lease, req.seq_len) if extend else self._make_room(req, req.seq_len):
                     plan.add(req, req.kv_len, 1, True)
         return plan if plan.reqs else None
@@ -334,7 +340,7 @@ class Scheduler(StepResults):
         `plan` is their last by length, with their positions in `plan`; None when nothing would
         continue or a slot cannot be had without retracting (no retraction while a step is in
         flight)."""
-        self.poll_transfers()  # retracts only requests with load-backs in flight: none here
+        self.poll_transfers()  # retracts only requests with load-backs in flight: only those sitting out
         keep = [i for i, r in enumerate(plan.reqs)
                 if not self.stop_checker.length_reached(r, self.context_length, 1)]
         if not keep:

@@ -104,11 +104,11 @@ class TransferFanout:
         self._loads_held = True
         return self.local.load(host_slots, device_slots, on_layer, skip)
 
-    def start_loads(self) -> None:
+    def start_loads(self, whole: bool = False) -> None:
         if self._loads_held:
-            self.ranks.send(["start_loads"])
+            self.ranks.send(["start_loads", whole])
             self._loads_held = False
-        self.local.start_loads()
+        self.local.start_loads(whole)
 
     def synchronize(self, ticket: int) -> None:
         """Rank 0 waits for its copy; each follower waits for its own before its next message."""

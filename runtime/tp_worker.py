@@ -97,8 +97,8 @@ class Follower:
     def on_load(self, host_slots: bytes, device_slots: bytes, skip: int) -> None:
         self.transfer.load(unpack_slots(host_slots), unpack_slots(device_slots), skip=skip)
 
-    def on_start_loads(self) -> None:
-        self.transfer.start_loads()
+    def on_start_loads(self, whole: bool) -> None:
+        self.transfer.start_loads(whole)
 
     def on_synchronize(self, ticket: int) -> None:
         self.transfer.synchronize(ticket)

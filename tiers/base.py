@@ -199,9 +199,10 @@ class TransferEngine(Protocol):
     eviction under write_back), never for the hot path. An engine may also offer
     `wait_layer(ticket, layer)` (layer None: all): order the compute that follows after that layer
     of a load, without blocking the host (`CacheController.layer_waiter` falls back to
-    `synchronize` where it is missing). Such an engine may hold a load back until `start_loads()`
-    (or the first `wait_layer` on it), so that the loads of one batch are queued together, layer
-    by layer: the scheduler calls it once its plan is made (`CacheController.start_loads`).
+    `synchronize` where it is missing). Such an engine may hold a load back until
+    `start_loads(whole)` (or the first `wait_layer` on it), so that the loads of one batch are
+    queued together, layer by layer: the scheduler calls it once its plan is made
+    (`CacheController.start_loads`; `whole`: queue every layer now, no pass paces them).
     """
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int: ...

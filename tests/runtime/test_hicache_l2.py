@@ -32,10 +32,10 @@ from transfer_fakes import Faults, LateTransfer, LazyTransfer
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, **cache) -> Scheduler:
+def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, park=False, **cache) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
-                       enable_overlap_schedule=overlap)
+                       enable_overlap_schedule=overlap, enable_decode_while_loading=park)
     # the tiny model recomputes faster than L2 loads: tests of the tiers' mechanics load every hit
     return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **{"hicache_load_decision": "always", **cache}))
 
@@ -84,19 +84,19 @@ def reference_outputs(tiny_config_path):
     return outputs
 
 
-@pytest.mark.parametrize("policy,layout,page_size,late,overlap", [
-    ("write_through", "layer_first", 1, False, False),
-    ("write_through_selective", "page_first", 4, True, False),
-    ("write_back", "page_first", 1, False, False),
-    ("write_back", "layer_first", 4, True, False),
-    ("write_through", "page_first", 4, True, True),  # overlap: steps launched before the last is applied
-    ("write_back", "layer_first", 1, False, True),
+@pytest.mark.parametrize("policy,layout,page_size,late,overlap,park", [
+    ("write_through", "layer_first", 1, False, False, False),
+    ("write_through_selective", "page_first", 4, True, False, True),  # park: decode while loading
+    ("write_back", "page_first", 1, False, False, False),
+    ("write_back", "layer_first", 4, True, False, False),
+    ("write_through", "page_first", 4, True, True, True),  # overlap: steps launched before the last is applied
+    ("write_back", "layer_first", 1, False, True, False),
 ])
 def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_outputs, policy, layout, page_size,
-                                                   late, overlap):
+                                                   late, overlap, park):
     rng = random.Random(f"{policy}{layout}{page_size}{late}{overlap}{os.environ.get('HICACHE_STRESS_SEED', '')}")
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size, overlap=overlap,
-                           hicache_write_policy=policy, hicache_mem_layout=layout)
+                           park=park, hicache_write_policy=policy, hicache_mem_layout=layout)
     real = sched.cache.controller.transfer
     if late:
         sched.cache.controller.transfer = LateTransfer(real)
@@ -227,6 +227,43 @@ def test_forward_waits_for_each_layer_of_a_load_in_flight(tiny_config_path, refe
     assert [got[f"b{i}"][0] for i in range(4)] == want
     assert sched.stats()["tiers"]["host"]["loaded_back_tokens"] >= 2 * 60 and lazy.waits > 0
     flush(sched)
+
+
+@pytest.mark.parametrize("overlap,tail", [(False, [5]), (False, [5, 6, 7]), (True, [5]), (True, [5, 6, 7])])
+def test_decoding_goes_on_while_a_prefix_loads_back(tiny_config_path, reference_outputs, overlap, tail):
+    """With a request decoding, one admitted with its prefix loading back from L2 sits out the
+    steps until its copy lands (held here), whether what it computes after the prefix is one
+    token (a decode) or more (an extend): the decoding request goes on emitting tokens meanwhile,
+    and every output equals the uncached reference."""
+    sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, overlap=overlap, park=True,
+                           radix_eviction_policy="lru")  # LRU: b0's prefix is the one pushed to L2
+    late = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.controller.transfer = late
+    rng = random.Random(7)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
+    for i, p in enumerate(convs):
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        drain(sched)
+    got: dict[str, list] = {}
+    sched.add_request(request("d", [11, 12, 13], dict(GREEDY, max_new_tokens=24)))
+    while not got.get("d"):
+        collect(got, sched.step())
+    late.hold = True  # b0's copy does not land until released
+    sched.add_request(request("b0", convs[0] + tail, dict(GREEDY, max_new_tokens=4)))
+    for _ in range(2):
+        collect(got, sched.step())
+    emitted = len(got["d"][0])
+    for _ in range(4):
+        collect(got, sched.step())
+        sched.check_integrity()
+    b0 = next(r for r in sched.running if r.rid == "b0")
+    assert b0.lease.loading and b0.kv_len == 60 and "b0" not in got
+    assert len(got["d"][0]) == emitted + 4, "decoding stalled while the load was in flight"
+    late.hold = False
+    collect(got, drain_all(sched))
+    assert got["b0"][1]["cached_tokens_details"]["host"] == 60
+    want = reference_outputs([([11, 12, 13], 24), (convs[0] + tail, 4)])
+    assert [got["d"][0], got["b0"][0]] == want
 
 
 def test_host_pool_exhaustion_recomputes(tiny_config_path, reference_outputs):

@@ -36,9 +36,11 @@ PAGE = 4
 THRESHOLD = 16
 
 
-def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256, ratio=2.0, **extra) -> Scheduler:
+def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256, ratio=2.0, overlap=False,
+                 **extra) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
-                       max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96)
+                       max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96,
+                       enable_overlap_schedule=overlap)
     # the tiny model recomputes faster than L3 loads: tests of the tiers' mechanics load every hit
     cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy=policy, hicache_load_decision="always",
@@ -261,6 +263,41 @@ def test_prefetch_policies_against_a_slow_store(tiny_config_path, reference, pol
     sched.check_integrity()
     host = sched.cache.controller.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decoding_never_waits_for_a_prefetch(tiny_config_path, reference, overlap):
+    """A request decodes while another waits for its L3 fetch (held): every step emits its next
+    token without the scheduler waiting on the store (with overlap, decode steps go on being
+    launched ahead), and the waiting request is served from L3 once its pages land."""
+    ps = prompts(4, n=1)
+    warm_store(tiny_config_path, f"decoding-{overlap}", ps)
+    sched = l3_scheduler(tiny_config_path, backend="memory", store=f"decoding-{overlap}", overlap=overlap)
+    gate = Gate(sched)
+    engine = sched.cache.storage.engine
+    waits = []
+    real_wait = engine.wait
+    engine.wait = lambda timeout: (waits.append(timeout), real_wait(timeout))
+    emitted: dict[str, int] = {}
+
+    def step() -> None:
+        for o in sched.step():
+            emitted[o.rid] = emitted.get(o.rid, 0) + len(o.new_token_ids)
+    sched.add_request(request("d", [11, 12, 13], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 30}))
+    while not emitted:
+        step()
+    sched.add_request(request("p", ps[0], dict(GREEDY)))
+    step()
+    before, continued = emitted["d"], sched.overlap.continued if overlap else 0
+    for _ in range(6):
+        step()
+    assert emitted["d"] == before + 6 and "p" not in emitted and not waits
+    assert not overlap or sched.overlap.continued >= continued + 5
+    gate.open.set()
+    got = drain(sched)
+    assert got["p"][0] == reference(ps)[0] and got["p"][1]["cached_tokens_details"]["storage"] == 88
+    settle(sched)
+    sched.check_integrity()
 
 
 def test_abort_during_a_fetch_frees_its_pages(tiny_config_path, reference):

@@ -202,12 +202,13 @@ class HostTransferEngine:
         if kind == "load":  # not layer-wise: later compute waits for the whole load
             torch.cuda.current_stream(self.device).wait_stream(self._streams[kind])
 
-    def start_loads(self) -> None:
+    def start_loads(self, whole: bool = False) -> None:
         """Queues the deferred loads on the load stream, all of them as one copy per layer, so that
         layer i of every load lands before layer i + 1 of any (a batch's layer 0 waits for layer 0
         of each of its requests' loads, not for whole loads queued one after another). The scheduler
         calls it once its plan is made (`CacheController.start_loads`); `wait_layer` and
-        `synchronize` call it for loads still held back."""
+        `synchronize` call it for loads still held back. `whole`: every layer now, not
+        `load_ahead` layers ahead of the forward pass (a load that no pass waits for)."""
         if not self._deferred:
             return
         loads, self._deferred = self._deferred, {}
@@ -217,18 +218,19 @@ class HostTransferEngine:
                  torch.cat([wd for *_, wd, _ in loads.values()]), torch.cat([wh for *_, wh in loads.values()]))
         try:
             self._issue("load", jobs, slots, (lambda layer: [hook(layer) for hook in hooks]) if hooks else None,
-                        [after for _, _, _, _, after, _, _ in loads.values()])
+                        [after for _, _, _, _, after, _, _ in loads.values()], whole)
         except Exception as e:  # reported through poll()
             logger.warning("load transfers %s failed: %r", [t for t, _, _ in jobs], e)
             torch.cuda.current_stream(self.device).wait_stream(self._streams["load"])
             for ticket, tokens, start in jobs:
                 self._finish(ticket, "load", tokens, start, repr(e))
 
-    def _issue(self, kind, jobs, slots, on_layer, afters) -> None:
+    def _issue(self, kind, jobs, slots, on_layer, afters, whole: bool = False) -> None:
         """Queues the copy on `kind`'s stream for `jobs` ([(ticket, tokens, start)]; `slots`: their
         device and host slots concatenated, then those the windowed layers copy), after the compute
         stream's `afters` events (None: all compute queued so far).
-        A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`)."""
+        A load's first layers go now, the rest as `wait_layer` reaches them (or `poll`); all of
+        them now if `whole`."""
         stream = self._streams[kind]
         if afters is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute comes first
@@ -237,7 +239,7 @@ class HostTransferEngine:
         with torch.cuda.stream(stream):  # the slot indices go to the device on that stream, before its copies
             steps, copy_step = self._copier(kind, *slots)
         queued = _Queued(stream, steps, copy_step, on_layer if kind == "load" else None)
-        queued.upto(self.load_ahead if kind == "load" and self.layerwise else steps - 1)
+        queued.upto(self.load_ahead if kind == "load" and self.layerwise and not whole else steps - 1)
         for ticket, tokens, start in jobs:
             self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued)
 
