@@ -62,18 +62,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def build(compiler: str, name: str = "cpu_ops", sources: tuple[Path, ...] = SOURCES,
+          headers: tuple[Path, ...] = HEADERS) -> Path:
+    """The shared library `name` compiled from `sources` (the cached one when sources, headers,
+    compiler, flags and CPU are unchanged). Raises OSError or CalledProcessError."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in SOURCES + HEADERS), compiler, version, *FLAGS, _cpu_flags()]
+    parts = [*(source.read_text() for source in sources + headers), compiler, version, *FLAGS, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode())
-    target = cache_dir() / f"cpu_ops-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:  # built aside and renamed: processes building at once never load a half-written file
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -89,7 +92,7 @@ def library() -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: the CPU model step runs on plain torch ops (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(build(compiler)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         logger.warning("building the CPU kernels failed, running on plain torch ops (slower): %s", detail[-2000:])

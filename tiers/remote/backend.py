@@ -1,9 +1,10 @@
 """What the L3 backends share: thread-safe counters, health status, framed reads and writes bound to
 their storage keys (and MACed under the storage secret, if any).
 
-A batch's values are framed and checked on a small thread pool shared by the process (`IO_THREADS`):
-the copies between host pages and values release the GIL, so a batch moves at several cores'
-memory bandwidth rather than one's.
+A batch's values are checked and copied into host pages in one compiled call over `IO_THREADS`
+threads (`kernels/cpu_io.py`), or, where that is not built or a secret is set, page by page on a
+small thread pool shared by the process: the copies between host pages and values release the GIL,
+so a batch moves at several cores' memory bandwidth rather than one's.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import threading
 
 import torch
 
-from hicache.tiers.remote.framing import CorruptValue, StaleValue, check_secret, decode_into, encode
+from hicache.kernels import cpu_io
+from hicache.tiers.remote.framing import CorruptValue, StaleValue, check_secret, decode_into, encode, open_value
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class BackendBase:
         self._degraded: str | None = None
         self._secret = check_secret(secret)
         self._stale_logged = False
+        cpu_io.library()  # built (once per machine) before serving, not under the first batch
 
     def storage_key(self, key: str) -> bytes:
         """The full key (namespace prefix included) that page key `key` (hex) is stored under, as the
@@ -100,10 +103,10 @@ class BackendBase:
 
     def fill(self, keys: list[str], values: list, pages: list[torch.Tensor]) -> list[bool]:
         """Decodes `values` (None: absent), read under page keys `keys`, into `pages`. A value
-        that fails its checks (`framing.decode_into`: another key's, no valid MAC, a bad checksum,
+        that fails its checks (as `framing.decode_into`'s: another key's, no valid MAC, a bad checksum,
         another format version) is a counted miss, nothing of it copied, and is deleted, so that
         the next backup of that page stores it again. One warning per batch with corrupt values."""
-        outcomes = io_map(self._decode, keys, values, pages)
+        outcomes = self._decode_all(keys, values, pages)
         ok = [o is None for o in outcomes]
         hits = sum(ok)
         nbytes = sum(len(v) for v, good in zip(values, ok) if good)
@@ -122,6 +125,32 @@ class BackendBase:
         if corrupt or stale:
             self.delete(corrupt + stale)
         return ok
+
+    def _decode_all(self, keys: list[str], values: list, pages: list[torch.Tensor]) -> list:
+        """`_decode`'s outcome for each page. Without a secret, where the compiled checked copies
+        build, the pages whose headers pass are checksummed and copied in one call that holds no
+        GIL (`cpu_io.check_copy`); otherwise each page on the framing pool."""
+        if self._secret is not None or cpu_io.library() is None:
+            return io_map(self._decode, keys, values, pages)
+        outcomes: list = [False] * len(keys)
+        batch, alone = [], []
+        for i, (key, value, page) in enumerate(zip(keys, values, pages)):
+            blocks = cpu_io.runs(page) if value is not None else None
+            if value is not None and blocks is None:
+                alone.append(i)
+            elif value is not None:
+                try:
+                    payload, crc = open_value(value, page, self.storage_key(key))
+                    batch.append((i, payload, blocks, crc))
+                except CorruptValue as e:
+                    outcomes[i] = e
+        if batch:
+            i_s, payloads, runs, crcs = zip(*batch)
+            for i, good in zip(i_s, cpu_io.check_copy(list(payloads), list(runs), list(crcs), IO_THREADS)):
+                outcomes[i] = None if good else CorruptValue("checksum mismatch")
+        for i, outcome in zip(alone, io_map(self._decode, *([seq[i] for i in alone] for seq in (keys, values, pages)))):
+            outcomes[i] = outcome
+        return outcomes
 
     def _decode(self, key: str, value, page: torch.Tensor) -> CorruptValue | bool | None:
         """None when `value` filled `page`; False when absent; the CorruptValue (or StaleValue)

@@ -17,9 +17,11 @@ was read under, before copying a byte: `StaleValue` for another format version, 
 anything else. With a secret the MAC is checked instead of the checksum (it covers the payload);
 without one the checksum is checked and a MAC, if any, is ignored.
 
-The checksum is CRC-32C computed by the CPU's CRC instruction (tens of GB/s on one core), and, like
-the copies that frame and unframe a page, it runs with the GIL released: the storage threads frame
-and check pages beside the scheduler thread instead of taking turns with it.
+The checksum is CRC-32C computed by the CPU's CRC instruction, and, like the copies that frame and
+unframe a page, it runs with the GIL released: the storage threads frame and check pages beside the
+scheduler thread instead of taking turns with it. Where the compiled copies build
+(`kernels/cpu_io.py`), a page is framed with one call (copy and checksum), and a backend checks and
+copies a whole batch of pages read with one call (`open_value`, then `cpu_io.check_copy`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import struct
 import crc32c
 import numpy as np
 import torch
+
+from hicache.kernels import cpu_io
 
 MAGIC = b"HKV"
 VERSION = 4
@@ -85,11 +89,16 @@ def encode(page: torch.Tensor, key: bytes | str, secret: bytes | None = None,
     nbytes = page.numel() * page.element_size()
     value = np.empty(HEADER_SIZE + nbytes, dtype=np.uint8) if out is None else out[:HEADER_SIZE + nbytes]
     payload = value[HEADER_SIZE:]
-    np.copyto(payload.reshape(-1 if page.dim() == 0 else page.shape[:-1] + (-1,)), _byte_view(page))
+    blocks = cpu_io.runs(page) if cpu_io.library() is not None else None
+    if blocks is not None:  # copy and checksum in one call, the GIL released
+        crc = cpu_io.copy_crc(blocks, payload)
+    else:
+        np.copyto(payload.reshape(-1 if page.dim() == 0 else page.shape[:-1] + (-1,)), _byte_view(page))
+        crc = checksum(payload)
     shape = list(page.shape) + [0] * (6 - page.dim())
     key = _raw_key(key)
     flags = FLAG_MAC if secret else 0
-    header = _HEADER.pack(MAGIC, VERSION, _DTYPES[page.dtype], page.dim(), *shape, nbytes, checksum(payload),
+    header = _HEADER.pack(MAGIC, VERSION, _DTYPES[page.dtype], page.dim(), *shape, nbytes, crc,
                           flags, key_digest(key), _NO_MAC)
     if secret:
         header = header[:_SIGNED] + _mac(secret, key, header, payload.data)
@@ -110,6 +119,16 @@ def decode_into(value, page: torch.Tensor, key: bytes | str, secret: bytes | Non
     """Copies the payload of `value` (bytes or a buffer), read under the storage key `key`, into
     `page` after checking header, key digest and checksum (with `secret`: the MAC instead of the
     checksum) against them; StaleValue or CorruptValue otherwise, with nothing copied."""
+    payload, crc = open_value(value, page, key, secret)
+    if crc is not None and checksum(payload) != crc:
+        raise CorruptValue("checksum mismatch")
+    _copy_bytes(payload, page)
+
+
+def open_value(value, page: torch.Tensor, key: bytes | str,
+               secret: bytes | None = None) -> tuple[memoryview, int | None]:
+    """`decode_into`'s checks but the checksum's: (the payload, the CRC-32C it must have; None when
+    the MAC, checked already, covers it). StaleValue or CorruptValue as `decode_into`."""
     view = memoryview(value)
     fields = _header(view)
     magic, version, dtype, ndim, *rest = fields
@@ -130,9 +149,8 @@ def decode_into(value, page: torch.Tensor, key: bytes | str, secret: bytes | Non
             raise CorruptValue("no MAC, and this store requires one")
         if not hmac.compare_digest(mac, _mac(secret, key, view[:_SIGNED], payload)):
             raise CorruptValue("MAC mismatch")
-    elif checksum(payload) != crc:
-        raise CorruptValue("checksum mismatch")
-    _copy_bytes(payload, page)
+        return payload, None
+    return payload, crc
 
 
 def checksum(payload) -> int:
