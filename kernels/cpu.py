@@ -84,23 +84,30 @@ def build(compiler: str, name: str = "cpu_ops", sources: tuple[Path, ...] = SOUR
     return target
 
 
+def load(name: str, sources: tuple[Path, ...], headers: tuple[Path, ...], signatures: dict[str, list],
+         results: dict[str, object], fallback: str) -> ctypes.CDLL | None:
+    """The library `name` (`build`), loaded with its functions' argument and result types; None,
+    after one warning that ends with `fallback` (what callers do instead), where it cannot be."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("no C++ compiler found: %s", fallback)
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, name, sources, headers)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        logger.warning("building %s failed, %s: %s", name, fallback, detail[-2000:])
+        return None
+    for fn_name, args in signatures.items():
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = args, results.get(fn_name)
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first call; None (after one warning) where they cannot be."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: the CPU model step runs on plain torch ops (slower)")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        logger.warning("building the CPU kernels failed, running on plain torch ops (slower): %s", detail[-2000:])
-        return None
-    for name, args in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, RESULTS.get(name)
-    return lib
+    return load("cpu_ops", SOURCES, HEADERS, SIGNATURES, RESULTS, "the CPU model step runs on plain torch ops (slower)")
 
 
 def available() -> bool:

@@ -18,45 +18,26 @@ import ctypes
 import functools
 import logging
 import math
-import shutil
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from hicache.kernels.cpu import build
+from hicache.kernels.cpu import load
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_io.cpp")
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-SIGNATURES = {  # name: (argument types, result type)
-    "hc_crc32c": ([_P, _I], ctypes.c_uint32),
-    "hc_check_copy": ([_I] + [_P] * 7 + [_N], _I),
-    "hc_copy_crc": ([_I] + [_P] * 6 + [_N], None),
-}
+SIGNATURES = {"hc_crc32c": [_P, _I], "hc_check_copy": [_I] + [_P] * 7 + [_N], "hc_copy_crc": [_I] + [_P] * 6 + [_N]}
+RESULTS = {"hc_crc32c": ctypes.c_uint32, "hc_check_copy": _I}
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled checked copies, built on first call; None (after one warning) where they cannot be."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: L3 pages are checked and copied one call at a time")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(compiler, "cpu_io", (SOURCE,), ())))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        logger.warning("building the L3 page copies failed; pages are checked one call at a time: %s",
-                       detail[-2000:])
-        return None
-    for name, (args, result) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
-    return lib
+    return load("cpu_io", (SOURCE,), (), SIGNATURES, RESULTS, "L3 pages are checked and copied one call at a time")
 
 
 class Runs(NamedTuple):

@@ -57,3 +57,30 @@ def test_check_copy_refuses_a_payload_of_the_wrong_size():
     page = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="payload"):
         cpu_io.check_copy([bytes(8)], [cpu_io.runs(page)], [0], threads=1)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_backend_batch_round_trips_and_refuses_a_flipped_byte_with_or_without_the_library(monkeypatch, compiled):
+    """The compiled path and the per-page one it falls back to frame and check alike: the pages
+    come back equal, and a value with a flipped payload byte is a counted miss that leaves its
+    page untouched."""
+    from hicache.tiers.remote.memory import MemoryBackend
+
+    if not compiled:
+        monkeypatch.setattr(cpu_io, "library", lambda: None)
+    pool = layer_first(slots=64)
+    pages = [pool[:, :, i * 4:(i + 1) * 4] for i in range(6)]
+    backend = MemoryBackend("ns")
+    keys = [f"{i:064x}" for i in range(6)]
+    assert backend.batch_set(keys, pages) == 6
+    raw = backend.storage_key(keys[2])
+    flipped = bytearray(backend._data[raw.decode()])
+    flipped[-1] ^= 0x40
+    backend._data[raw.decode()] = bytes(flipped)
+    dest = torch.zeros_like(pool)
+    targets = [dest[:, :, i * 4:(i + 1) * 4] for i in range(6)]
+    assert backend.batch_get(keys, targets) == [True, True, False, True, True, True]
+    for i in (0, 1, 3, 4, 5):
+        assert torch.equal(targets[i], pages[i])
+    assert not targets[2].any()
+    assert backend.stats()["corrupt_pages"] == 1

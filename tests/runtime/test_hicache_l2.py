@@ -229,6 +229,20 @@ def test_forward_waits_for_each_layer_of_a_load_in_flight(tiny_config_path, refe
     flush(sched)
 
 
+def first_on_l2(sched: Scheduler, seed: int) -> tuple[LateTransfer, list[list[int]]]:
+    """Makes the scheduler's copies land late (`LateTransfer`, returned) and runs three 60-token
+    conversations one at a time: with L1 at 128 tokens and LRU eviction, the first one's prefix
+    is then on L2 only (returned with the others)."""
+    late = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.controller.transfer = late
+    rng = random.Random(seed)
+    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
+    for i, p in enumerate(convs):
+        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
+        drain(sched)
+    return late, convs
+
+
 @pytest.mark.parametrize("overlap,tail", [(False, [5]), (False, [5, 6, 7]), (True, [5]), (True, [5, 6, 7])])
 def test_decoding_goes_on_while_a_prefix_loads_back(tiny_config_path, reference_outputs, overlap, tail):
     """With a request decoding, one admitted with its prefix loading back from L2 sits out the
@@ -236,14 +250,8 @@ def test_decoding_goes_on_while_a_prefix_loads_back(tiny_config_path, reference_
     token (a decode) or more (an extend): the decoding request goes on emitting tokens meanwhile,
     and every output equals the uncached reference."""
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, overlap=overlap, park=True,
-                           radix_eviction_policy="lru")  # LRU: b0's prefix is the one pushed to L2
-    late = LateTransfer(sched.cache.controller.transfer)
-    sched.cache.controller.transfer = late
-    rng = random.Random(7)
-    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
-    for i, p in enumerate(convs):
-        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
-        drain(sched)
+                           radix_eviction_policy="lru")
+    late, convs = first_on_l2(sched, seed=7)
     got: dict[str, list] = {}
     sched.add_request(request("d", [11, 12, 13], dict(GREEDY, max_new_tokens=24)))
     while not got.get("d"):
@@ -305,15 +313,8 @@ def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference
 
 
 def test_abort_in_the_middle_of_a_load_back(tiny_config_path, reference_outputs):
-    # LRU: L1 evicts the oldest conversation, so that b0's prefix comes back from L2
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, radix_eviction_policy="lru")
-    late = LateTransfer(sched.cache.controller.transfer)
-    sched.cache.controller.transfer = late
-    rng = random.Random(4)
-    convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
-    for i, p in enumerate(convs):
-        sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))
-        drain(sched)
+    late, convs = first_on_l2(sched, seed=4)
     sched.add_request(request("b0", convs[0] + [5], dict(GREEDY, max_new_tokens=4)))
     late.hold = True  # the copy will not land until released
     plan = sched.schedule()  # admitted and planned at once, its load-back in flight: the pass would wait per layer

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from hicache.kernels import cpu_io
+import hicache.kernels.cpu_io as cpu_io
 from hicache.tiers.remote.framing import CorruptValue, StaleValue, check_secret, decode_into, encode, open_value
 
 logger = logging.getLogger(__name__)

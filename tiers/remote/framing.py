@@ -33,7 +33,7 @@ import crc32c
 import numpy as np
 import torch
 
-from hicache.kernels import cpu_io
+import hicache.kernels.cpu_io as cpu_io
 
 MAGIC = b"HKV"
 VERSION = 4
