@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--mooncake] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
-        [--l3-shards 1 4 8]
+        [--l3-shards 1 4 8] [--host-layout page_first|layer_first] [--busy-python]
 
 1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
@@ -14,6 +14,10 @@
    time of the batch. `--shape llama-8b`: Llama-3.1-8B's page instead (32 layers x 8 KV heads x
    128, bf16, page 64 tokens = 8 MiB), into pinned host pools where CUDA is present, as on a GPU
    server. `--l3-shards 1 4 8`: one LMDB run per shard count (default: the backend's default).
+   `--host-layout layer_first`: host pools of the layer-first layout (a page is one block per
+   layer and K/V), as a GPU server's L2 by default. `--busy-python`: a thread runs pure Python
+   meanwhile, as the scheduler thread does between its steps, so that the storage threads wait
+   for the GIL after every call that released it.
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import shutil
@@ -48,8 +53,27 @@ SHAPES = {"smollm2": (30, 3, 64, torch.float32), "llama-8b": (32, 8, 128, torch.
 # ---- 1. bandwidth ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def busy_python(on: bool):
+    """While inside: a thread running pure Python, if `on`."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+    thread = threading.Thread(target=spin, daemon=True)
+    if on:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
+
+
 def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str = "smollm2",
-              batch_pages: int = BATCH) -> dict:
+              batch_pages: int = BATCH, layout: str = "page_first", busy: bool = False) -> dict:
     from hicache.pagekey import namespace_seed, page_keys
     from hicache.tiers.host.pool import HostKVPool
     from hicache.tiers.remote import make_backend
@@ -58,8 +82,8 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
     layers, heads, dim, dtype = SHAPES[shape]
     tokens = batch_pages * PAGE
     pin = torch.cuda.is_available()
-    src = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, "page_first", pin=pin)
-    dst = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, "page_first", pin=pin)
+    src = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin)
+    dst = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin)
     src.buffer.view(torch.uint8).copy_(torch.randint(0, 256, src.buffer.view(torch.uint8).shape, dtype=torch.uint8))
     dst.buffer.zero_()
     page_bytes = src.bytes_per_token() * PAGE
@@ -70,8 +94,9 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
     write_s, read_s = [], []
     for b in range(batches):
         keys = page_keys(namespace_seed("bench", b, time.time()), list(range(tokens)), PAGE)
-        write_s.append(_timed(worker, worker.backup, keys, slots))
-        read_s.append(_timed(reader, reader.fetch, keys, into))
+        with busy_python(busy):
+            write_s.append(_timed(worker, worker.backup, keys, slots))
+            read_s.append(_timed(reader, reader.fetch, keys, into))
         assert torch.equal(dst.buffer.view(torch.uint8), src.buffer.view(torch.uint8)), "read back different bytes"
         dst.buffer.zero_()
     shards = getattr(worker.backend, "shards", 0)
@@ -79,7 +104,7 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
     reader.close()
     nbytes = batch_pages * page_bytes
     return {"backend": backend_name, "label": backend_name + (f" x{shards}" if shards else ""), "shards": shards,
-            "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages,
+            "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages, "layout": layout, "busy": busy,
             "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
             "write_gbps": nbytes / statistics.median(write_s) / 1e9,
             "read_gbps": nbytes / statistics.median(read_s) / 1e9}
@@ -228,6 +253,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the page of the bandwidth runs")
     ap.add_argument("--batch-pages", type=int, default=BATCH)
     ap.add_argument("--lmdb-dir", default=None, help="folder for the bandwidth run's LMDB (default: a temp folder)")
+    ap.add_argument("--host-layout", choices=["page_first", "layer_first"], default="page_first")
+    ap.add_argument("--busy-python", action="store_true",
+                    help="a thread runs pure Python during the bandwidth runs (as the scheduler thread does)")
     ap.add_argument("--l3-shards", type=int, nargs="+", default=[None],
                     help="LMDB shard counts to measure, one run each (default: the backend's default)")
     args = ap.parse_args()
@@ -235,7 +263,8 @@ def main() -> None:
     for shards in args.l3_shards:
         with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
             options = {"path": folder} if shards is None else {"path": folder, "shards": shards}
-            record["bandwidth"].append(bandwidth("lmdb", options, args.batches, args.shape, args.batch_pages))
+            record["bandwidth"].append(bandwidth("lmdb", options, args.batches, args.shape, args.batch_pages,
+                                                 args.host_layout, args.busy_python))
     if not args.skip_redis:
         proc, url = start_redis()
         try:
