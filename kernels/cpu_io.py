@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -25,8 +24,6 @@ import numpy as np
 import torch
 
 from hicache.kernels.cpu import load
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_io.cpp")
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
