@@ -2,7 +2,8 @@
 die of SIGBUS on its next read) degrades the backend instead, at once or at the next open; so does
 a sparse `data.mdb` on a full tmpfs (mounted for the test; skipped where mounting is not permitted),
 until there is room for its blocks; values read or checked for presence do not stay in the
-process's resident set, and writes drop what other reads left there."""
+process's resident set, and writes drop what other reads left there; checks of the file's size
+from many threads while it grows never mistake it for truncated."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -149,3 +151,37 @@ def test_a_sparse_data_file_on_a_full_disk_is_degraded_where_plain_lmdb_dies_of_
     out = [torch.ones(SHAPE) for _ in k]
     assert b.batch_get(k, out) == [True] * len(k) and all(not o.any() for o in out)
     b.close()
+
+
+def test_checks_from_many_threads_while_the_file_grows_never_report_a_truncation(tmp_path):
+    """Readers and the writer check `data.mdb` at once while LMDB grows it: a check whose size
+    was read before another check recorded a larger one must not take the file for shrunk."""
+    path = tmp_path / "data.mdb"
+    path.write_bytes(bytes(4096))
+    data = disk.DataFile(str(tmp_path), 4096)
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def grow() -> None:
+        with open(path, "ab") as f:
+            while not stop.is_set():
+                f.write(bytes(4096))
+                f.flush()
+
+    def check() -> None:
+        try:
+            for _ in range(3000):
+                data.check()
+        except disk.Truncated as e:
+            errors.append(e)
+    grower = threading.Thread(target=grow)
+    checkers = [threading.Thread(target=check) for _ in range(4)]
+    grower.start()
+    for t in checkers:
+        t.start()
+    for t in checkers:
+        t.join()
+    stop.set()
+    grower.join()
+    data.close()
+    assert not errors, errors[0]

@@ -28,6 +28,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 
 import numpy as np
 
@@ -109,14 +110,18 @@ class DataFile:
             os.close(self.fd)
             raise Truncated(errno.EIO, f"{self.size} bytes, its pages need {pages_bytes}: truncated", self.path)
         self.base = map_start(self.fd)  # where this process maps it (LMDB has, by now)
+        self._lock = threading.Lock()
 
     def check(self) -> None:
-        """Truncated if the file shrank since the last check (LMDB only ever grows it)."""
-        size = os.fstat(self.fd).st_size
-        if size < self.size:
-            raise Truncated(errno.EIO, f"shrank from {self.size} to {size} bytes: truncated under the store",
-                            self.path)
-        self.size = size
+        """Truncated if the file shrank since the last check (LMDB only ever grows it). Readers and
+        the writer check at once: each reads the size and compares it under the lock, so that a size
+        read before another check recorded a larger one is never taken for a shrink."""
+        with self._lock:
+            size = os.fstat(self.fd).st_size
+            if size < self.size:
+                raise Truncated(errno.EIO, f"shrank from {self.size} to {size} bytes: truncated under the store",
+                                self.path)
+            self.size = size
 
     def drop(self, map_size: int) -> None:
         """Drops every page of the map from this process's resident set (see `release`): B-tree
