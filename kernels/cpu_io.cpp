@@ -65,33 +65,23 @@ uint32_t hc_crc32c(const uint8_t* p, int64_t n) { return ~crc_update(~0u, p, n);
 
 // For each buffer i: when the CRC-32C of src[i] (runs[i] * run_bytes[i] bytes) is want[i], copies it
 // into its destination and sets ok[i] = 1; otherwise writes nothing there and sets ok[i] = 0.
-// Returns the count of buffers copied.
-int64_t hc_check_copy(int64_t n, const uint8_t* const* src, uint8_t* const* dst, const int64_t* runs,
-                      const int64_t* stride, const int64_t* run_bytes, const uint32_t* want, uint8_t* ok,
-                      int threads) {
-  int64_t copied = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : copied)
+void hc_check_copy(int64_t n, const uint8_t* const* src, uint8_t* const* dst, const int64_t* runs,
+                   const int64_t* stride, const int64_t* run_bytes, const uint32_t* want, uint8_t* ok,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
     const Dst d{dst[i], runs[i], stride[i], run_bytes[i]};
     ok[i] = hc_crc32c(src[i], d.runs * d.run_bytes) == want[i];
-    if (ok[i]) {
-      scatter(src[i], d);
-      ++copied;
-    }
+    if (ok[i]) scatter(src[i], d);
   }
-  return copied;
 }
 
-// For each buffer i: copies its source (runs[i] runs of run_bytes[i] bytes, stride[i] apart) into
-// the contiguous out[i] and writes the CRC-32C of those bytes to crc[i].
-void hc_copy_crc(int64_t n, uint8_t* const* src, uint8_t* const* out, const int64_t* runs,
-                 const int64_t* stride, const int64_t* run_bytes, uint32_t* crc, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) {
-    const Dst d{src[i], runs[i], stride[i], run_bytes[i]};
-    gather(d, out[i]);
-    crc[i] = hc_crc32c(out[i], d.runs * d.run_bytes);
-  }
+// Copies a source of `runs` runs of `run_bytes` bytes, `stride` bytes apart, into the contiguous
+// `out` and returns the CRC-32C of those bytes.
+uint32_t hc_copy_crc(uint8_t* src, int64_t runs, int64_t stride, int64_t run_bytes, uint8_t* out) {
+  const Dst d{src, runs, stride, run_bytes};
+  gather(d, out);
+  return hc_crc32c(out, runs * run_bytes);
 }
 
 }  // extern "C"

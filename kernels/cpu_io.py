@@ -27,8 +27,8 @@ from hicache.kernels.cpu import load
 
 SOURCE = Path(__file__).with_name("cpu_io.cpp")
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-SIGNATURES = {"hc_crc32c": [_P, _I], "hc_check_copy": [_I] + [_P] * 7 + [_N], "hc_copy_crc": [_I] + [_P] * 6 + [_N]}
-RESULTS = {"hc_crc32c": ctypes.c_uint32, "hc_check_copy": _I}
+SIGNATURES = {"hc_crc32c": [_P, _I], "hc_check_copy": [_I] + [_P] * 7 + [_N], "hc_copy_crc": [_P, _I, _I, _I, _P]}
+RESULTS = {"hc_crc32c": ctypes.c_uint32, "hc_copy_crc": ctypes.c_uint32}
 
 
 @functools.cache
@@ -90,9 +90,4 @@ def copy_crc(page: Runs, out: np.ndarray) -> int:
     """Copies the page into `out` (contiguous uint8 of exactly its bytes) and returns their CRC-32C."""
     if out.size != page.runs * page.run_bytes or not out.flags.c_contiguous:
         raise ValueError(f"out must be {page.runs * page.run_bytes} contiguous bytes, got {out.size}")
-    src, dst = np.array([page.base], dtype=np.uint64), np.array([out.ctypes.data], dtype=np.uint64)
-    runs_, stride, run_bytes = (np.array([v], dtype=np.int64) for v in page[1:])
-    crc = np.zeros(1, dtype=np.uint32)
-    library().hc_copy_crc(1, src.ctypes.data, dst.ctypes.data, runs_.ctypes.data, stride.ctypes.data,
-                          run_bytes.ctypes.data, crc.ctypes.data, 1)
-    return int(crc[0])
+    return library().hc_copy_crc(page.base, page.runs, page.stride, page.run_bytes, out.ctypes.data)

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from hicache.runtime.request import Req
 
 
+def decodes(req: Req) -> bool:
+    """Whether the request's prompt is computed: its next step is a decode."""
+    return req.kv_len >= req.seq_len - 1
+
+
 class BudgetPolicy:
     def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool,
                  cuda: bool = False):
@@ -59,7 +64,7 @@ class BudgetPolicy:
     def decode_headroom(self, running: list[Req], launched: bool) -> int:
         """L1 tokens an admission leaves free: a page for the next token of each decoding request
         (with a launched prefill step, all running requests decode next)."""
-        decoding = len(running) if launched else sum(1 for r in running if r.kv_len >= r.seq_len - 1)
+        decoding = len(running) if launched else sum(1 for r in running if decodes(r))
         return self.page_size * decoding
 
     def parks(self, req: Req, running: list[Req]) -> bool:
@@ -68,7 +73,7 @@ class BudgetPolicy:
         (the copy engines take no SM from them) instead of holding a prefill step, and every
         decoding request with it, until its layers have arrived."""
         return (self.decode_while_loading and req.lease.loading
-                and any(r.kv_len >= r.seq_len - 1 and not r.lease.loading for r in running if r is not req))
+                and any(decodes(r) and not r.lease.loading for r in running if r is not req))
 
     def parked(self, running: list[Req], plan) -> bool:
         """Whether a running request outside `plan` (a `BatchPlan` or None) sits out while its load

@@ -23,7 +23,7 @@ from hicache.runtime.grammar import GrammarCompiler, any_unseen, look_at, wait_c
 from hicache.runtime.jump_forward import JumpForward
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.overlap import OverlapLoop
-from hicache.runtime.policy import BudgetPolicy
+from hicache.runtime.policy import BudgetPolicy, decodes
 from hicache.runtime.request import Req, check_logprob_start, check_prompt
 from hicache.runtime.results import StepResults
 from hicache.runtime.sampler import make_generator
@@ -210,7 +210,7 @@ class Scheduler(StepResults):
         """A prefill batch: running requests' next chunks, then admissions in policy order. With
         `after` (launched, not applied), the running requests are its own: their next chunks start
         where its chunks end, and memory comes from the free pool and the tree only."""
-        if self.waiting and not any(r.kv_len >= r.seq_len - 1 for r in self.running):
+        if self.waiting and not any(map(decodes, self.running)):
             self.cache.prefetch_grace()  # (never while requests decode: it would hold their next token)
         self.cache.set_prefill_backlog(sum(max(0, len(r.input_ids) - r.kv_len) for r in (*self.waiting, *self.running)))
         plan = BatchPlan("extend", [], [], [], [])

@@ -135,15 +135,17 @@ class BackendBase:
         outcomes: list = [False] * len(keys)
         batch, alone = [], []
         for i, (key, value, page) in enumerate(zip(keys, values, pages)):
-            blocks = cpu_io.runs(page) if value is not None else None
-            if value is not None and blocks is None:
-                alone.append(i)
-            elif value is not None:
-                try:
-                    payload, crc = open_value(value, page, self.storage_key(key))
-                    batch.append((i, payload, blocks, crc))
-                except CorruptValue as e:
-                    outcomes[i] = e
+            blocks = None if value is None else cpu_io.runs(page)
+            if blocks is None:
+                if value is not None:
+                    alone.append(i)
+                continue
+            try:
+                payload, crc = open_value(value, page, self.storage_key(key))
+            except CorruptValue as e:
+                outcomes[i] = e
+                continue
+            batch.append((i, payload, blocks, crc))
         if batch:
             i_s, payloads, runs, crcs = zip(*batch)
             for i, good in zip(i_s, cpu_io.check_copy(list(payloads), list(runs), list(crcs), IO_THREADS)):
