@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import inspect
 import json
 import shutil
@@ -53,61 +52,90 @@ SHAPES = {"smollm2": (30, 3, 64, torch.float32), "llama-8b": (32, 8, 128, torch.
 # ---- 1. bandwidth ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def busy_python(on: bool):
-    """While inside: a thread running pure Python, if `on`."""
-    stop = threading.Event()
+class Spinner:
+    """A thread running pure Python (as the scheduler thread does between its steps), counting its
+    loops: `share(start, seconds)` is its rate over a span against its rate alone."""
 
-    def spin() -> None:
-        while not stop.is_set():
-            sum(range(1000))
-    thread = threading.Thread(target=spin, daemon=True)
-    if on:
-        thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if on:
-            thread.join()
+    def __init__(self):
+        self.loops, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+        t0, n0 = time.perf_counter(), self.loops
+        time.sleep(0.5)
+        self.alone = (self.loops - n0) / (time.perf_counter() - t0)
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            sum(range(100))
+            self.loops += 1
+
+    def share(self, loops_before: int, seconds: float) -> float:
+        return (self.loops - loops_before) / seconds / self.alone
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def default_shards() -> int:
+    from hicache.tiers.remote.lmdb import DEFAULT_SHARDS
+
+    return DEFAULT_SHARDS
+
+
+def storage_engine(io: str, backend_name: str, backend_options: dict, pool, batch_pages: int):
+    """The engine's L3 I/O over `pool`: `StorageProcess` (io "process") or `StorageWorker`."""
+    from hicache.tiers.remote import make_backend
+    from hicache.tiers.remote.process import StorageProcess
+    from hicache.tiers.remote.worker import StorageWorker
+
+    if io == "process":
+        return StorageProcess(backend_name, BENCH_NS, None, backend_options, pool, batch_pages)
+    return StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), pool, batch_pages)
 
 
 def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str = "smollm2",
-              batch_pages: int = BATCH, layout: str = "page_first", busy: bool = False) -> dict:
+              batch_pages: int = BATCH, layout: str = "page_first", busy: bool = False, io: str = "process") -> dict:
     from hicache.pagekey import namespace_seed, page_keys
     from hicache.tiers.host.pool import HostKVPool
-    from hicache.tiers.remote import make_backend
-    from hicache.tiers.remote.worker import StorageWorker
 
     layers, heads, dim, dtype = SHAPES[shape]
     tokens = batch_pages * PAGE
     pin = torch.cuda.is_available()
-    src = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin)
-    dst = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin)
+    src = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin, shared=io == "process")
+    dst = HostKVPool(tokens, PAGE, layers, heads, dim, dtype, layout, pin=pin, shared=io == "process")
     src.buffer.view(torch.uint8).copy_(torch.randint(0, 256, src.buffer.view(torch.uint8).shape, dtype=torch.uint8))
     dst.buffer.zero_()
     page_bytes = src.bytes_per_token() * PAGE
-    worker = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), src, batch_pages)
-    reader = StorageWorker(make_backend(backend_name, BENCH_NS, **backend_options), dst, batch_pages)
+    worker = storage_engine(io, backend_name, backend_options, src, batch_pages)
+    reader = storage_engine(io, backend_name, backend_options, dst, batch_pages)
     slots = src.allocator.alloc(tokens)
     into = dst.allocator.alloc(tokens)
-    write_s, read_s = [], []
+    spinner = Spinner() if busy else None
+    write_s, read_s, write_share, read_share = [], [], [], []
     for b in range(batches):
         keys = page_keys(namespace_seed("bench", b, time.time()), list(range(tokens)), PAGE)
-        with busy_python(busy):
-            write_s.append(_timed(worker, worker.backup, keys, slots))
-            read_s.append(_timed(reader, reader.fetch, keys, into))
+        for op, engine, at, times, shares in ((worker.backup, worker, slots, write_s, write_share),
+                                              (reader.fetch, reader, into, read_s, read_share)):
+            loops = spinner.loops if spinner else 0
+            times.append(_timed(engine, op, keys, at))
+            if spinner:
+                shares.append(spinner.share(loops, times[-1]))
         assert torch.equal(dst.buffer.view(torch.uint8), src.buffer.view(torch.uint8)), "read back different bytes"
         dst.buffer.zero_()
-    shards = getattr(worker.backend, "shards", 0)
+    if spinner:
+        spinner.stop()
+    shards = backend_options.get("shards", default_shards()) if backend_name == "lmdb" else 0
     worker.close()
     reader.close()
     nbytes = batch_pages * page_bytes
     return {"backend": backend_name, "label": backend_name + (f" x{shards}" if shards else ""), "shards": shards,
             "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages, "layout": layout, "busy": busy,
-            "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
+            "io": io, "batches": batches, "pinned": pin, "write_s": write_s, "read_s": read_s,
             "write_gbps": nbytes / statistics.median(write_s) / 1e9,
-            "read_gbps": nbytes / statistics.median(read_s) / 1e9}
+            "read_gbps": nbytes / statistics.median(read_s) / 1e9,
+            "busy_share_write": statistics.median(write_share) if busy else None,
+            "busy_share_read": statistics.median(read_share) if busy else None}
 
 
 def mooncake_bandwidth(args) -> dict:
@@ -256,6 +284,8 @@ def main() -> None:
     ap.add_argument("--host-layout", choices=["page_first", "layer_first"], default="page_first")
     ap.add_argument("--busy-python", action="store_true",
                     help="a thread runs pure Python during the bandwidth runs (as the scheduler thread does)")
+    ap.add_argument("--io", choices=["process", "threads"], default="process",
+                    help="where the L3 I/O runs: a storage process (the server's default) or threads of this one")
     ap.add_argument("--l3-shards", type=int, nargs="+", default=[None],
                     help="LMDB shard counts to measure, one run each (default: the backend's default)")
     args = ap.parse_args()
@@ -264,20 +294,23 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
             options = {"path": folder} if shards is None else {"path": folder, "shards": shards}
             record["bandwidth"].append(bandwidth("lmdb", options, args.batches, args.shape, args.batch_pages,
-                                                 args.host_layout, args.busy_python))
+                                                 args.host_layout, args.busy_python, args.io))
     if not args.skip_redis:
         proc, url = start_redis()
         try:
             record["bandwidth"].append(bandwidth("redis", {"url": url, "socket_timeout": 60.0}, args.batches,
-                                                 args.shape, args.batch_pages))
+                                                 args.shape, args.batch_pages, io=args.io))
         finally:
             proc.kill()
             proc.wait()
     if args.mooncake:
         record["bandwidth"].append(mooncake_bandwidth(args))
     for b in record["bandwidth"]:
+        busy = "" if b["busy_share_write"] is None else (
+            f"; the Python thread beside them ran at {b['busy_share_write']:.2f}x / {b['busy_share_read']:.2f}x "
+            "of its rate alone")
         print(f"{b['label']:10s} write {b['write_gbps']:.2f} GB/s, read {b['read_gbps']:.2f} GB/s "
-              f"({b['batch_pages']} pages of {b['page_bytes'] / 2**20:.2f} MiB a batch)")
+              f"({b['batch_pages']} pages of {b['page_bytes'] / 2**20:.2f} MiB a batch, {b['io']}){busy}")
     if not args.skip_multi_turn:
         record["multi_turn"] = multi_turn(args)
         mt = record["multi_turn"]

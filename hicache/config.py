@@ -11,6 +11,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
 STORAGE_BACKENDS = ("lmdb", "redis", "mooncake", "memory", "none")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_IO = ("process", "threads")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class HiCacheConfig:
     hicache_load_decision: str = field(default="measured", metadata={"help": "Whether a prefix cached on L3 (and L2) is loaded or recomputed: measured (L3 hits: whichever is faster by the load bandwidth and prefill rate measured while serving; L2 hits are loaded), measured_all (L2 hits too) or always (load every hit)."})
     hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), mooncake (a Mooncake Store cluster shared between servers), memory (in-process, for tests) or none."})
     hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync, shards (lmdb); url, key_prefix, socket_timeout (redis); master, metadata_server, protocol, device_name, local_hostname, global_segment_mb, local_buffer_mb, key_prefix (mooncake); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, batch_pages, backup_queue_pages."})
+    hicache_storage_io: str = field(default="process", metadata={"help": "Where L3 reads and writes run: process (a process of their own that maps the host pool, which then lives in shared memory: they never wait for the scheduler's interpreter lock nor hold it) or threads (threads of the scheduler's process). The memory backend always runs in threads."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
     hicache_storage_secret: str | None = field(default=None, repr=False, metadata={"help": "Secret (at least 16 bytes) that authenticates L3 values with an HMAC-SHA256: a value without a valid MAC is a counted miss, so writers to a shared store (Redis) without it cannot plant pages. Every server sharing a store needs the same one. Default: none (values are still bound to their keys and checksummed). Never logged or shown."})
 
@@ -51,6 +53,7 @@ class HiCacheConfig:
         _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
         _choice("hicache_load_decision", self.hicache_load_decision, DECISION_MODES)
         _choice("hicache_storage_prefetch_policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
+        _choice("hicache_storage_io", self.hicache_storage_io, STORAGE_IO)
         extra = self.hicache_storage_backend_extra_config
         if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form
             object.__setattr__(self, "hicache_storage_backend_extra_config", json.dumps(extra))
@@ -68,6 +71,11 @@ class HiCacheConfig:
     def storage(self) -> bool:
         """Whether L3 is in use: a backend is named and L2 is on (L3 pages pass through L2)."""
         return self.hierarchical and self.hicache_storage_backend != "none"
+
+    @property
+    def storage_process(self) -> bool:
+        """Whether L3 I/O runs in a process of its own (the host pool then in shared memory)."""
+        return self.storage and self.hicache_storage_io == "process" and self.hicache_storage_backend != "memory"
 
     @property
     def storage_extra(self) -> dict:

@@ -28,6 +28,7 @@ from hicache.prefetch import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.redact import redact
+from hicache.tiers.remote.process import StorageProcess
 from hicache.tiers.remote.worker import StorageWorker
 from hicache.tree import RadixTree
 
@@ -150,7 +151,7 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
     of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
     host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype,
-                      cc.hicache_mem_layout)
+                      cc.hicache_mem_layout, shared=cc.storage_process)
     logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
                 "pinned" if host.pinned else "not pinned", cc.hicache_write_policy)
@@ -171,7 +172,7 @@ def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig,
 
 
 def storage_worker(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, host_pool: HostKVPool,
-                   tp: TensorParallel) -> tuple[StorageWorker, bytes, StorageOptions, str]:
+                   tp: TensorParallel) -> tuple[StorageWorker | StorageProcess, bytes, StorageOptions, str]:
     """This rank's L3 worker over its backend (its pages under its own namespace), the namespace
     seed, the storage options and where the backend lives."""
     options, backend_options = StorageOptions.split(cc.hicache_storage_prefetch_policy, cc.storage_extra)
@@ -179,8 +180,11 @@ def storage_worker(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, ho
         backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
     seed = namespace_seed(model_fingerprint(rc, loaded), host_pool.buffer.dtype, cc.page_size, cc.hicache_mem_layout,
                           f"tp{tp.rank}/{tp.size}")
-    backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], cc.hicache_storage_secret, **backend_options)
     where = str(next((backend_options[k] for k in ("path", "url", "master") if k in backend_options), "in memory"))
+    if cc.storage_process:
+        return StorageProcess(cc.hicache_storage_backend, seed.hex()[:16], cc.hicache_storage_secret, backend_options,
+                              host_pool, options.batch_pages), seed, options, where
+    backend = make_backend(cc.hicache_storage_backend, seed.hex()[:16], cc.hicache_storage_secret, **backend_options)
     return StorageWorker(backend, host_pool, options.batch_pages), seed, options, where
 
 

@@ -14,7 +14,7 @@ ALLOWED = {  # room -> rooms of ours it may import (besides itself)
     "hicache.tiers.base": set(),
     "hicache.tiers.gpu": {"hicache.tiers.base", "hicache.kernels"},
     "hicache.tiers.host": {"hicache.tiers.base", "hicache.kernels"},
-    "hicache.tiers.remote": {"hicache.tiers.base", "hicache.kernels.cpu_io"},
+    "hicache.tiers.remote": {"hicache.tiers.base", "hicache.kernels.cpu_io", "hicache.tiers.host.pool"},
     "hicache.kernels": set(),
     "hicache.runtime": {"hicache", "hicache.tiers", "hicache.kernels"},
     "hicache.server": {"hicache.runtime", "hicache"},

@@ -37,13 +37,13 @@ THRESHOLD = 16
 
 
 def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256, ratio=2.0, overlap=False,
-                 **extra) -> Scheduler:
+                 io="process", **extra) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96,
                        enable_overlap_schedule=overlap)
     # the tiny model recomputes faster than L3 loads: tests of the tiers' mechanics load every hit
     cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
-                       hicache_storage_prefetch_policy=policy, hicache_load_decision="always",
+                       hicache_storage_prefetch_policy=policy, hicache_load_decision="always", hicache_storage_io=io,
                        hicache_storage_backend_extra_config={"prefetch_threshold": THRESHOLD, **extra})
     return build_scheduler(rc, cc)
 
@@ -121,7 +121,7 @@ def flip_a_byte(path, namespace: str, key: str) -> None:
 
 def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, reference, tmp_path):
     ps = prompts(1)
-    first = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    first = l3_scheduler(tiny_config_path, path=str(tmp_path), io="threads")  # its backend is read here
     cold = run_each(first, ps, "a")
     settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 3 * 88
@@ -152,7 +152,7 @@ def test_backups_after_splits_land_under_the_keys_a_restart_queries(tiny_config_
     them); what was backed up is found under keys computed from the root, and served."""
     a = prompts(11, n=1)[0]
     ps = [a, a[:40] + prompts(12, n=1, length=50)[0], a[:20] + prompts(13, n=1, length=70)[0]]
-    first = l3_scheduler(tiny_config_path, path=str(tmp_path))
+    first = l3_scheduler(tiny_config_path, path=str(tmp_path), io="threads")  # its backend is read here
     run_each(first, ps, "a")
     settle(first)
     seed = first.cache.storage.seed("")

@@ -39,12 +39,12 @@ PAGES = 22  # whole pages of a 90-token prompt
 SECRET = "integrity-test-secret-0123456789"
 
 
-def l3_scheduler(config_path, backend="lmdb", total=256, secret=None, radix=True, **extra) -> Scheduler:
+def l3_scheduler(config_path, backend="lmdb", total=256, secret=None, radix=True, io="process", **extra) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96)
     cc = HiCacheConfig(page_size=PAGE, disable_radix_cache=not radix, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy="wait_complete", hicache_storage_secret=secret,
-                       hicache_load_decision="always",
+                       hicache_load_decision="always", hicache_storage_io=io,
                        hicache_storage_backend_extra_config={"prefetch_threshold": 16, **extra})
     return build_scheduler(rc, cc)
 
@@ -80,7 +80,7 @@ def reference(tiny_config_path):
 def populate(config_path, path, ps, secret=None) -> tuple[bytes, tuple]:
     """Runs `ps` on a scheduler over the LMDB at `path` until every page is stored; returns the
     model's seed and the shape of a page."""
-    sched = l3_scheduler(config_path, path=str(path), secret=secret, shards=1)  # one environment to tamper with
+    sched = l3_scheduler(config_path, path=str(path), secret=secret, shards=1, io="threads")  # its environment is tampered with
     run_each(sched, ps, "w")
     settle(sched)
     seed = sched.cache.storage.seed("")

@@ -66,6 +66,7 @@ def tp2(tiny_config_path, tmp_path_factory):
     sched = scheduler(tiny_config_path, 2, 160, page_size=PAGE, hicache_ratio=4.0, hicache_storage_backend="lmdb",
                       radix_eviction_policy="lru",  # the second round's prefixes all left L1 for L2
                       hicache_storage_prefetch_policy="wait_complete",
+                      hicache_storage_io="threads",  # the test drops pages from a follower's backend
                       hicache_storage_backend_extra_config={"prefetch_threshold": 16, "path": str(path)})
     yield sched
     sched.close()

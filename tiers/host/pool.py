@@ -1,6 +1,8 @@
 """L2: the host KV pool, its layouts and its thread-safe page allocator."""
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import threading
 
@@ -50,11 +52,14 @@ class HostKVPool:
     page_first: buffer [num_pages, 2, num_layers, page_size, H, D]: everything of one page
       (K and V, all layers) is one contiguous block, so one L3 object is one slice (`page_view`).
     dtype is the L1 pool's; the buffer is pinned when `pin` (default: when CUDA is available).
+    With `shared`, the buffer is shared memory (a memfd, `shared_fd`) that a storage process maps
+    too (`HostKVPool.attach`); pinned by registering it with CUDA.
     Slots are token indices, as in L1; `allocator` hands them out a page at a time.
     """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, layout: str = "layer_first", pin: bool | None = None):
+                 dtype: torch.dtype, layout: str = "layer_first", pin: bool | None = None, shared: bool = False,
+                 fd: int | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"hicache_mem_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
         num_pages = num_tokens // page_size
@@ -68,9 +73,25 @@ class HostKVPool:
         else:
             shape = (num_pages, 2, num_layers, page_size, num_kv_heads, head_dim)
         pin = torch.cuda.is_available() if pin is None else pin
-        self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)  # untouched pages cost no RAM on CPU
+        self.spec = {"num_tokens": num_tokens, "page_size": page_size, "num_layers": num_layers,
+                     "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."),
+                     "layout": layout}
+        self.shared_fd = None
+        if shared or fd is not None:
+            self.shared_fd = _memfd(math.prod(shape) * dtype.itemsize) if fd is None else fd
+            self.buffer = _map(self.shared_fd, shape, dtype)
+            if pin:
+                _register(self.buffer)
+        else:
+            self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)  # untouched pages cost no RAM on CPU
         self.pinned = pin
         self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * self.buffer.element_size()
+
+    @classmethod
+    def attach(cls, fd: int, spec: dict) -> HostKVPool:
+        """The pool whose shared buffer is the memfd `fd`, as `spec` (another pool's) describes it:
+        the same pages, unpinned (for the storage process)."""
+        return cls(**{**spec, "dtype": getattr(torch, spec["dtype"])}, pin=False, fd=fd)
 
     def bytes_per_token(self) -> int:
         return self._token_bytes
@@ -104,6 +125,27 @@ class HostKVPool:
         if self.layout != "page_first":
             raise ValueError("page_view needs the page_first layout")
         return self.buffer[page]
+
+
+def _memfd(nbytes: int) -> int:
+    fd = os.memfd_create("hicache-l2", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)  # pages cost RAM once touched
+    return fd
+
+
+def _map(fd: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if os.fstat(fd).st_size != nbytes:
+        raise ValueError(f"the shared host pool holds {os.fstat(fd).st_size} bytes, not {nbytes}")
+    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _register(buffer: torch.Tensor) -> None:
+    """Page-locks `buffer` for the copy engines (what `pin_memory` does for memory CUDA allocates)."""
+    nbytes = buffer.numel() * buffer.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.1f} GiB host pool failed: error {int(err)}")
 
 
 def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, ratio: float, size_gb: float,

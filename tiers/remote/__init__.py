@@ -29,10 +29,15 @@ def make_backend(name: str, namespace: str, secret: str | bytes | None = None, *
     """A `tiers.base.StorageBackend`. `namespace`: hex id that prefixes every key of this model.
     `secret`: the storage secret that MACs every value (None: values are bound to their keys and
     checksummed, not authenticated); never one of the `options`, which come from the extra config."""
+    return check_options(name, options)(namespace, secret=secret, **options)
+
+
+def check_options(name: str, options: dict) -> type:
+    """The class of backend `name`; ValueError naming any of `options` it does not take."""
     cls = backend_class(name)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "namespace", "secret"}
     unknown = set(options) - accepted
     if unknown:
         raise ValueError(f"storage backend {name!r} does not take {', '.join(sorted(unknown))} "
                          f"(it takes {', '.join(sorted(accepted)) or 'no options'})")
-    return cls(namespace, secret=secret, **options)
+    return cls

@@ -37,10 +37,13 @@ class _Op(NamedTuple):
 
 
 class StorageWorker:
-    def __init__(self, backend, host_pool, batch_pages: int = 128):
+    def __init__(self, backend, host_pool, batch_pages: int = 128, on_progress=None):
+        """`on_progress(ticket, pages)`, if given, is called on a worker thread whenever a fetch's
+        landed pages grow."""
         if batch_pages < 1:
             raise ValueError(f"batch_pages must be >= 1, got {batch_pages}")
         self.backend, self.host_pool, self.batch_pages = backend, host_pool, batch_pages
+        self._on_progress = on_progress
         self.page_size = host_pool.allocator.page_size
         self._page_bytes = host_pool.bytes_per_token() * self.page_size
         self._tickets = itertools.count(1)
@@ -204,6 +207,8 @@ class StorageWorker:
             good = next((i for i, g in enumerate(ok) if not g), len(ok))
             landed += good
             self._progress[op.ticket] = landed  # pages [0, landed) are final: the scheduler may commit them
+            if self._on_progress is not None and good:
+                self._on_progress(op.ticket, landed)
             if good < len(ok):
                 break
         self._count(fetched_pages=landed, fetched_bytes=landed * self._page_bytes)

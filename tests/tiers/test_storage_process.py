@@ -1,0 +1,156 @@
+"""The storage process: the L3 worker in a child process over the shared host pool, real backends."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.tiers.host.pool import HostKVPool
+from hicache.tiers.remote import make_backend
+from hicache.tiers.remote.process import StorageProcess
+
+NS = "5ea15ea15ea15ea1"
+
+
+def shared_pool(layout: str = "page_first", tokens: int = 64) -> HostKVPool:
+    pool = HostKVPool(tokens, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, layout=layout,
+                      pin=False, shared=True)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape))
+    return pool
+
+
+def keys(n: int, salt: str = "") -> list[str]:
+    return [f"{salt}{i:x}".rjust(64, "0") for i in range(n)]
+
+
+def results(engine, n: int, timeout: float = 20.0) -> list:
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        engine.wait(0.1)
+        out += engine.poll()
+    assert len(out) == n, out
+    return sorted(out, key=lambda r: r.ticket)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_go_through_the_child_and_come_back_identical(tmp_path, layout):
+    pool = shared_pool(layout)
+    proc = StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, pool, batch_pages=2)
+    try:
+        k, slots = keys(5), pool.allocator.alloc(20)
+        want = [pool.page(int(s)).clone() for s in slots[::4]]
+        t = proc.backup(k, slots)
+        (res,) = results(proc, 1)
+        assert (res.ticket, res.ok, res.pages, res.skipped) == (t, True, 5, 0)
+        into = pool.allocator.alloc(20)
+        q, f = proc.query(k + keys(7, "f")), proc.fetch(k, into)
+        r_query, r_fetch = results(proc, 2)
+        assert (r_query.ticket, r_query.pages) == (q, 5)
+        assert (r_fetch.ticket, r_fetch.ok, r_fetch.pages) == (f, True, 5)
+        for i, page in enumerate(want):  # the child wrote them into the memory this process reads
+            assert torch.equal(pool.page(int(into[4 * i])), page)
+        stats = proc.stats()
+        assert (stats["backed_up_pages"], stats["fetched_pages"], stats["queries"]) == (5, 5, 1)
+        assert proc.status() == "ok"
+    finally:
+        proc.close()
+    assert proc._proc.returncode == 0
+    backend = make_backend("lmdb", NS, path=str(tmp_path))  # what the child wrote is in the store
+    assert backend.batch_exists(k) == 5
+    backend.close()
+
+
+def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
+    pool = shared_pool()
+    with pytest.raises(ValueError, match="does not take colour"):
+        StorageProcess("lmdb", NS, None, {"path": str(tmp_path), "colour": 1}, pool, 2)
+    with pytest.raises(ValueError, match="shards"):  # raised by the backend in the child, named here
+        StorageProcess("lmdb", NS, None, {"path": str(tmp_path), "shards": 0}, pool, 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, HostKVPool(64, 4, 3, 2, 8, torch.float32), 2)
+
+
+def test_revoke_withdraws_a_queued_op_but_not_a_running_one(redis_server):
+    pool = shared_pool()
+    proc = StorageProcess("redis", NS, None, {"url": redis_server.url, "socket_timeout": 30}, pool, 2)
+    try:
+        k = keys(4)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # the first backup hangs inside its write
+        try:
+            first = proc.backup(k[:2], pool.allocator.alloc(8))
+            second = proc.backup(k[2:], pool.allocator.alloc(8))
+            time.sleep(1.0)
+            assert not proc.revoke(first) and proc.revoke(second)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        r_first, r_second = results(proc, 2, timeout=40)
+        assert (r_first.ok, r_first.pages) == (True, 2)
+        assert (r_second.ok, r_second.pages, r_second.error) == (False, 0, "cancelled")
+        proc.query(k)
+        assert results(proc, 1)[0].pages == 2  # the revoked pages were never written
+    finally:
+        proc.close()
+
+
+def test_a_dead_child_turns_everything_into_misses(tmp_path):
+    pool = shared_pool(tokens=512)
+    proc = StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, pool, batch_pages=1)
+    k = keys(40)
+    proc.backup(k, pool.allocator.alloc(160))
+    assert results(proc, 1)[0].pages == 40
+    fetch = proc.fetch(k, pool.allocator.alloc(160))
+    while proc.progress(fetch) == 0:  # some pages landed, one page a batch
+        time.sleep(0.001)
+    proc._proc.kill()
+    proc._proc.wait()
+    seen = proc.progress(fetch)
+    (res,) = results(proc, 1)
+    assert (res.ticket, res.ok) == (fetch, False) and 0 < seen == res.pages < 40  # landed pages stay landed
+    assert "exited" in res.error and proc.status().startswith("degraded: the storage process exited")
+    later = proc.fetch(k, pool.allocator.alloc(160))
+    with pytest.raises(ValueError, match="no host slots"):
+        proc.backup(k, None)
+    (res,) = results(proc, 1)
+    assert (res.ticket, res.ok, res.pages) == (later, False, 0)
+    assert proc.revoke(later) is False and proc.stats() == {} and proc.quiesce(1.0)
+    proc.close()
+
+
+def test_a_child_whose_server_died_still_lands_its_queued_backups(tmp_path):
+    """The scheduler's process exits without closing: the child's socket closes and it finishes
+    the backups it was given before it exits."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_storage_process import shared_pool, keys
+        from hicache.tiers.remote.process import StorageProcess
+        pool = shared_pool(tokens=512)
+        proc = StorageProcess("lmdb", {NS!r}, None, {{"path": {str(tmp_path)!r}}}, pool, 2)
+        for i in range(4):
+            proc.backup(keys(32, str(i)), pool.allocator.alloc(128))
+        print(proc._proc.pid, flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    child = int(out.stdout.split()[-1])
+    end = time.monotonic() + 60
+    while alive(child) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not alive(child)
+    backend = make_backend("lmdb", NS, path=str(tmp_path))
+    assert [backend.batch_exists(keys(32, str(i))) for i in range(4)] == [32] * 4
+    backend.close()

@@ -1,0 +1,244 @@
+"""`StorageProcess`: the `tiers.base.StorageEngine` whose worker runs in a child process.
+
+The L3 I/O threads (`StorageWorker`) call into their backend page by page, and each call releases
+the GIL and takes it back: in the scheduler's process they wait for the GIL whenever the scheduler
+thread runs Python, and make it wait in turn. Here they run in a process of their own
+(`python -m hicache.tiers.remote.process_main`) with its own interpreter. It maps the host pool,
+which lives in shared memory (`HostKVPool(shared=True)`), and moves pages between it and the
+backend; the scheduler's process only sends it page keys and slots.
+
+The channel is a socket pair made at spawn (nothing else can connect to it): frames of msgpack
+(`Channel`), never pickle. The scheduler thread alone talks to it, without a thread of its own:
+`poll`, `progress` and `wait` read what has arrived. The child assigns its worker's tickets and
+answers with the scheduler's. When the child dies, every operation in flight ends as a failure
+(a fetch keeps the pages reported landed), later ones fail at once, and `status()` says degraded:
+misses, never a wrong page. The child exits when its socket closes (the scheduler's process gone,
+however it went), after its queued backups.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+
+from hicache.tiers.base import StorageResult
+from hicache.tiers.remote import check_options
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME = 1 << 28
+START_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 10.0
+_HEAD = struct.Struct(">I")
+
+
+class Channel:
+    """Length-prefixed msgpack frames over a stream socket; `send` may be called from any thread."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self._lock = sock, threading.Lock()
+
+    def send(self, msg: list) -> None:
+        data = msgpack.packb(msg)
+        with self._lock:
+            self.sock.sendall(_HEAD.pack(len(data)) + data)
+
+    def recv(self, timeout: float | None) -> list | None:
+        """The next message; None if none began within `timeout` seconds (None: wait). EOFError
+        once the peer has closed."""
+        if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
+            return None
+        (size,) = _HEAD.unpack(self._read(_HEAD.size))
+        if size > MAX_FRAME:
+            raise ValueError(f"storage process frame of {size} bytes")
+        return msgpack.unpackb(self._read(size))
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("the storage process channel closed")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class StorageProcess:
+    def __init__(self, backend: str, namespace: str, secret, options: dict, host_pool, batch_pages: int):
+        if host_pool.shared_fd is None:
+            raise ValueError("the storage process needs a host pool in shared memory (HostKVPool(shared=True))")
+        check_options(backend, options)
+        self.page_size = host_pool.allocator.page_size
+        self._tickets, self._calls = itertools.count(1), itertools.count(1)
+        self._progress: dict[int, int] = {}
+        self._kinds: dict[int, str] = {}
+        self._done: list[StorageResult] = []
+        self._replies: dict[int, object] = {}
+        self.failed: str | None = None
+        ours, theirs = socket.socketpair()
+        fds = (theirs.fileno(), host_pool.shared_fd)
+        self._proc = subprocess.Popen([sys.executable, "-m", "hicache.tiers.remote.process_main", *map(str, fds)],
+                                      pass_fds=fds)
+        theirs.close()
+        self._chan = Channel(ours)
+        self._start({"backend": backend, "namespace": namespace, "secret": secret, "options": options,
+                     "pool": host_pool.spec, "batch_pages": batch_pages, "log_level": logging.getLogger().level})
+
+    def _start(self, spec: dict) -> None:
+        try:
+            self._chan.send(["start", spec])
+            msg = self._chan.recv(START_TIMEOUT_S)
+        except (OSError, EOFError) as e:
+            msg = ["failed", type(e).__name__, str(e)]
+        if msg and msg[0] == "ready":
+            logger.info("L3 I/O runs in process %d", self._proc.pid)
+            return
+        self._proc.kill()
+        self._chan.close()
+        kind, text = (msg[1], msg[2]) if msg else ("TimeoutError", f"no answer in {START_TIMEOUT_S:.0f} s")
+        raise (ValueError if kind == "ValueError" else RuntimeError)(
+            text if kind == "ValueError" else f"the L3 storage process did not start: {kind}: {text}")
+
+    # ---- StorageEngine ----------------------------------------------------------------------
+
+    def query(self, keys: list[str]) -> int:
+        return self._submit("query", keys, None)
+
+    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int:
+        return self._submit("fetch", keys, host_slots)
+
+    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int:
+        return self._submit("backup", keys, host_slots)
+
+    def _submit(self, kind: str, keys: list[str], host_slots) -> int:
+        if kind != "query" and host_slots is None:
+            raise ValueError(f"{kind}: no host slots")
+        if host_slots is not None and host_slots.numel() != len(keys) * self.page_size:
+            raise ValueError(f"{kind}: {len(keys)} keys but {host_slots.numel()} host slots")
+        ticket = next(self._tickets)
+        self._progress[ticket], self._kinds[ticket] = 0, kind
+        firsts = None if host_slots is None else host_slots[:: self.page_size].tolist()
+        self._send(["op", ticket, kind, list(keys), firsts])
+        return ticket
+
+    def progress(self, ticket: int) -> int:
+        self._drain(0.0)
+        return self._progress.get(ticket, 0)
+
+    def cancel(self, ticket: int) -> None:
+        if ticket in self._kinds:
+            self._send(["cancel", ticket])
+
+    def revoke(self, ticket: int) -> bool:
+        if ticket not in self._kinds:
+            return False
+        if self.failed is not None:  # nothing runs any more: the pages are the caller's
+            return True
+        return bool(self._call("revoke", [ticket], False))
+
+    def poll(self) -> list[StorageResult]:
+        self._drain(0.0)
+        done, self._done = self._done, []
+        for res in done:
+            self._progress.pop(res.ticket, None)
+        return done
+
+    def wait(self, timeout: float) -> None:
+        if not self._done:
+            self._drain(timeout)
+
+    def quiesce(self, timeout: float) -> bool:
+        return self.failed is not None or bool(self._call("quiesce", [timeout], False, timeout + CALL_TIMEOUT_S))
+
+    def status(self) -> str:
+        if self.failed is not None:
+            return f"degraded: {self.failed}"
+        return self._call("status", [], "degraded: the storage process does not answer")
+
+    def stats(self) -> dict:
+        return {} if self.failed is not None else self._call("stats", [], {})
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Lets the child finish its queued backups (up to `timeout`), then stops it."""
+        if self.failed is None:
+            self._send(["close", timeout])
+        try:
+            self._proc.wait(timeout + CALL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the L3 storage process %d did not stop; killing it", self._proc.pid)
+            self._proc.kill()
+            self._proc.wait()
+        self._chan.close()
+
+    # ---- the channel ------------------------------------------------------------------------
+
+    def _send(self, msg: list) -> None:
+        if self.failed is not None:
+            if msg[0] == "op":
+                self._lost()
+            return
+        try:
+            self._chan.send(msg)
+        except OSError:
+            self._lost()
+
+    def _call(self, kind: str, args: list, default, timeout: float = CALL_TIMEOUT_S):
+        call = next(self._calls)
+        self._send(["call", call, kind, args])
+        end = time.monotonic() + timeout
+        while call not in self._replies and self.failed is None and time.monotonic() < end:
+            self._drain(end - time.monotonic(), until_one=True)
+        return self._replies.pop(call, default)
+
+    def _drain(self, timeout: float, until_one: bool = False) -> None:
+        """Handles what the child sent: waits up to `timeout` for the first message, then takes
+        the rest that has arrived (only the first with `until_one`)."""
+        while self.failed is None:
+            try:
+                msg = self._chan.recv(max(timeout, 0.0))
+            except (EOFError, OSError, ValueError):
+                self._lost()
+                return
+            if msg is None:
+                return
+            self._handle(msg)
+            if until_one:
+                return
+            timeout = 0.0
+
+    def _handle(self, msg: list) -> None:
+        kind = msg[0]
+        if kind == "progress":
+            _, ticket, pages = msg
+            if ticket in self._progress:
+                self._progress[ticket] = max(self._progress[ticket], pages)
+        elif kind == "result":
+            res = StorageResult(*msg[1:])
+            self._kinds.pop(res.ticket, None)
+            self._done.append(res)
+        elif kind == "reply":
+            self._replies[msg[1]] = msg[2]
+
+    def _lost(self) -> None:
+        """The child is gone: everything in flight ends as a failure."""
+        if self.failed is None:
+            code = self._proc.poll()
+            self.failed = f"the storage process exited (code {code})" if code is not None else \
+                "the storage process channel broke"
+            logger.error("L3: %s; storage reads and writes are misses from now on", self.failed)
+        for ticket, kind in self._kinds.items():
+            landed = self._progress.get(ticket, 0) if kind == "fetch" else 0
+            self._done.append(StorageResult(ticket, kind, False, landed, error=self.failed))
+        self._kinds.clear()
