@@ -5,10 +5,13 @@ The first message configures it (backend, namespace, secret, pool layout); it an
 "failed". Then it submits every "op" to the worker under a ticket of its own, answers "call"s
 (revoke, quiesce, status, stats), and a thread forwards the worker's progress and results with
 the scheduler's tickets. It ends on "close" or when its socket closes, after the queued backups.
+It runs at a lower CPU priority than the server: while its threads copy and checksum pages on every
+core, the scheduler thread, which keeps the GPU fed, still gets one the moment it needs it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -22,6 +25,7 @@ from hicache.tiers.remote.process import Channel
 from hicache.tiers.remote.worker import StorageWorker
 
 CLOSE_TIMEOUT_S = 30.0
+NICENESS = 10  # below the scheduler's process: its thread launches the GPU's work and must get a core at once
 logger = logging.getLogger(__name__)
 
 
@@ -103,6 +107,7 @@ class Child:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the server, which closes us
+    os.nice(NICENESS)
     chan = Channel(socket.socket(fileno=int(argv[0])))
     kind, spec = chan.recv(None)
     logging.basicConfig(level=spec.pop("log_level") or logging.WARNING,
