@@ -314,9 +314,9 @@ class CacheManager:
         if self.storage is not None:
             self.storage.revoke(rid)
 
-    def prefetch_grace(self) -> None:
+    def prefetch_grace(self, decoding: bool) -> None:
         if self.storage is not None:
-            self.storage.grace()
+            self.storage.grace(decoding)
 
     def prefetches_ready(self) -> bool:
         """Some waiting request's prefetch lets it be scheduled now (`StorageController.releasable`)."""

@@ -25,6 +25,7 @@ class StorageOptions:
     backup_queue_pages: int = 4096
     batch_pages: int = 128  # pages per backend call (the worker's)
     prefetch_grace: float = 0.1  # seconds a prefill batch may wait for prefetches in flight (not best_effort)
+    query_grace: float = 0.005  # the same while requests decode, for queries only
 
     def __post_init__(self) -> None:
         if self.policy not in PREFETCH_POLICIES:

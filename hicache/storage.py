@@ -306,14 +306,17 @@ class StorageController:
         run but requests waiting on their prefetch."""
         self.engine.wait(timeout)
 
-    def grace(self) -> None:
-        """Before a prefill batch is formed while nothing decodes: waits up to `prefetch_grace`
-        seconds for the queries and fetches of waiting requests, so that a request whose pages are
-        about to land is not left out of a batch that may take long (policies that wait only)."""
+    def grace(self, decoding: bool) -> None:
+        """Before a prefill batch is formed: waits for the L3 operations of waiting requests (policies
+        that wait only), so that a request whose answer is about to come is not left out of a batch
+        that may take long. While nothing decodes, up to `prefetch_grace` seconds for queries and
+        fetches; while requests decode, only for queries (they take a round trip) and up to
+        `query_grace`, so that their next token is never held for more."""
         if self.options.policy == "best_effort":
             return
-        end = time.monotonic() + self.options.prefetch_grace
-        while any(op.phase == "query" or (op.phase == "fetch" and not op.finished) for op in self._by_rid.values()):
+        end = time.monotonic() + (self.options.query_grace if decoding else self.options.prefetch_grace)
+        while any(op.phase == "query" or (not decoding and op.phase == "fetch" and not op.finished)
+                  for op in self._by_rid.values()):
             left = end - time.monotonic()
             if left <= 0:
                 return

@@ -210,8 +210,8 @@ class Scheduler(StepResults):
         """A prefill batch: running requests' next chunks, then admissions in policy order. With
         `after` (launched, not applied), the running requests are its own: their next chunks start
         where its chunks end, and memory comes from the free pool and the tree only."""
-        if self.waiting and not any(map(decodes, self.running)):
-            self.cache.prefetch_grace()  # (never while requests decode: it would hold their next token)
+        if self.waiting:
+            self.cache.prefetch_grace(decoding=any(map(decodes, self.running)))
         self.cache.set_prefill_backlog(sum(max(0, len(r.input_ids) - r.kv_len) for r in (*self.waiting, *self.running)))
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.policy.max_prefill_tokens

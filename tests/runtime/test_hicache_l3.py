@@ -268,16 +268,18 @@ def test_prefetch_policies_against_a_slow_store(tiny_config_path, reference, pol
 @pytest.mark.parametrize("overlap", [False, True])
 def test_decoding_never_waits_for_a_prefetch(tiny_config_path, reference, overlap):
     """A request decodes while another waits for its L3 fetch (held): every step emits its next
-    token without the scheduler waiting on the store (with overlap, decode steps go on being
-    launched ahead), and the waiting request is served from L3 once its pages land."""
+    token without the scheduler waiting on the fetch (only, a few ms at most, on the query before
+    it), with overlap decode steps go on being launched ahead, and the waiting request is served
+    from L3 once its pages land."""
     ps = prompts(4, n=1)
     warm_store(tiny_config_path, f"decoding-{overlap}", ps)
     sched = l3_scheduler(tiny_config_path, backend="memory", store=f"decoding-{overlap}", overlap=overlap)
     gate = Gate(sched)
-    engine = sched.cache.storage.engine
-    waits = []
+    engine, storage = sched.cache.storage.engine, sched.cache.storage
+    waits = []  # (timeout, the phases of the prefetches then)
     real_wait = engine.wait
-    engine.wait = lambda timeout: (waits.append(timeout), real_wait(timeout))
+    engine.wait = lambda timeout: (waits.append((timeout, {op.phase for op in storage._by_rid.values()})),
+                                   real_wait(timeout))
     emitted: dict[str, int] = {}
 
     def step() -> None:
@@ -291,13 +293,33 @@ def test_decoding_never_waits_for_a_prefetch(tiny_config_path, reference, overla
     before, continued = emitted["d"], sched.overlap.continued if overlap else 0
     for _ in range(6):
         step()
-    assert emitted["d"] == before + 6 and "p" not in emitted and not waits
+    assert emitted["d"] == before + 6 and "p" not in emitted
+    # the only waits: a few ms for p's query, never for its fetch
+    assert all(t <= storage.options.query_grace and phases == {"query"} for t, phases in waits), waits
     assert not overlap or sched.overlap.continued >= continued + 5
     gate.open.set()
     got = drain(sched)
     assert got["p"][0] == reference(ps)[0] and got["p"][1]["cached_tokens_details"]["storage"] == 88
     settle(sched)
     sched.check_integrity()
+
+
+@pytest.mark.parametrize("grace", [0.005, 0.0])
+def test_a_request_arriving_while_others_decode_joins_the_next_batch_once_its_query_answers(tiny_config_path,
+                                                                                            grace):
+    """Its query answers within `query_grace`: it is admitted in the step it arrived in, not one
+    step later (with no grace, it is not)."""
+    sched = l3_scheduler(tiny_config_path, backend="memory", store=f"query-grace-{grace}", query_grace=grace)
+    sched.add_request(request("d", [11, 12, 13], {"temperature": 0, "ignore_eos": True, "max_new_tokens": 30}))
+    while not any(o.new_token_ids for o in sched.step()):
+        pass
+    sched.add_request(request("q", prompts(5, n=1)[0], dict(GREEDY)))  # nothing of it in L3: the query misses
+    sched.step()
+    admitted = any(r.rid == "q" for r in sched.running)
+    assert admitted == (grace > 0)
+    assert sched.cache.storage.counters["prefetch_queries"] == 1
+    drain(sched)
+    settle(sched)
 
 
 def test_abort_during_a_fetch_frees_its_pages(tiny_config_path, reference):
