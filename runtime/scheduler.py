@@ -1,10 +1,9 @@
 """The scheduler: continuous batching over the KV cache.
 
 Only the thread that calls `step()` touches the scheduler and its cache. A step is `schedule()`
-(a BatchPlan: a prefill batch when prompts or forced runs (runtime/jump_forward.py) wait, else
-one decode token for every running request), `runner.run(plan)`, then `process_result(plan,
-output)` (runtime/results.py); with overlap scheduling (runtime/overlap.py) the result of a step is applied during the
-next one.
+(a BatchPlan: a prefill batch when prompts or forced runs (runtime/jump_forward.py) wait, else one
+decode token for every running request), `runner.run(plan)`, then `process_result(plan, output)`
+(runtime/results.py); with overlap scheduling (runtime/overlap.py) it is applied during the next.
 
 What a request holds of the cache goes through the `CacheManager` (`hicache.manager`): admit,
 grow, release, poll. Budget decisions (chunk sizes, order, retraction victim) are the
@@ -386,8 +385,6 @@ class Scheduler(StepResults):
     def _enqueue(self, req: Req) -> None:
         self.waiting.append(req)
         self.queue_version += 1
-
-    # ---- introspection ---------------------------------------------------------------------
 
     def pages_held(self) -> int:
         """Device pages owned by requests (not by the tree, not free)."""
