@@ -106,8 +106,8 @@ def test_revoke_withdraws_a_queued_op_but_not_a_running_one(redis_server):
         proc.close()
 
 
-def test_a_dead_child_turns_everything_into_misses(tmp_path):
-    pool = shared_pool(tokens=512)
+def test_a_dead_child_turns_everything_into_misses_until_a_new_one_runs(tmp_path):
+    pool = shared_pool(tokens=1024)
     proc = StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, pool, batch_pages=1)
     k = keys(40)
     proc.backup(k, pool.allocator.alloc(160))
@@ -126,7 +126,16 @@ def test_a_dead_child_turns_everything_into_misses(tmp_path):
         proc.backup(k, None)
     (res,) = results(proc, 1)
     assert (res.ticket, res.ok, res.pages) == (later, False, 0)
-    assert proc.revoke(later) is False and proc.stats() == {} and proc.quiesce(1.0)
+    assert proc.revoke(later) is False and proc.stats() == {"process_restarts": 0} and proc.quiesce(1.0)
+    end = time.monotonic() + 60  # a new child starts after the backoff and serves again
+    while proc.status() != "ok" and time.monotonic() < end:
+        proc.wait(0.1)
+        proc.poll()
+    assert proc.status() == "ok" and proc.stats()["process_restarts"] == 1
+    into = pool.allocator.alloc(160)
+    proc.fetch(k, into)
+    (res,) = results(proc, 1)
+    assert (res.ok, res.pages) == (True, 40)
     proc.close()
 
 

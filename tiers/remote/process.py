@@ -12,7 +12,7 @@ The channel is a socket pair made at spawn (nothing else can connect to it): fra
 `poll`, `progress` and `wait` read what has arrived. The child assigns its worker's tickets and
 answers with the scheduler's. When the child dies, every operation in flight ends as a failure
 (a fetch keeps the pages reported landed), later ones fail at once, and `status()` says degraded:
-misses, never a wrong page. The child exits when its socket closes (the scheduler's process gone,
+misses, never a wrong page; a new child is started after a backoff and serves once it answers. The child exits when its socket closes (the scheduler's process gone,
 however it went), after its queued backups.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from hicache.tiers.remote import check_options
 logger = logging.getLogger(__name__)
 
 MAX_FRAME = 1 << 28
+RESTART_FIRST_S, RESTART_MAX_S = 1.0, 60.0  # a dead child is started again after this, doubling
 START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">I")
@@ -80,36 +81,38 @@ class StorageProcess:
         if host_pool.shared_fd is None:
             raise ValueError("the storage process needs a host pool in shared memory (HostKVPool(shared=True))")
         check_options(backend, options)
-        self.page_size = host_pool.allocator.page_size
+        self.page_size, self._pool_fd = host_pool.allocator.page_size, host_pool.shared_fd
+        self._spec = {"backend": backend, "namespace": namespace, "secret": secret, "options": options,
+                      "pool": host_pool.spec, "batch_pages": batch_pages, "log_level": logging.getLogger().level}
         self._tickets, self._calls = itertools.count(1), itertools.count(1)
         self._progress: dict[int, int] = {}
         self._kinds: dict[int, str] = {}
         self._done: list[StorageResult] = []
         self._replies: dict[int, object] = {}
-        self.failed: str | None = None
-        ours, theirs = socket.socketpair()
-        fds = (theirs.fileno(), host_pool.shared_fd)
-        self._proc = subprocess.Popen([sys.executable, "-m", "hicache.tiers.remote.process_main", *map(str, fds)],
-                                      pass_fds=fds)
-        theirs.close()
-        self._chan = Channel(ours)
-        self._start({"backend": backend, "namespace": namespace, "secret": secret, "options": options,
-                     "pool": host_pool.spec, "batch_pages": batch_pages, "log_level": logging.getLogger().level})
-
-    def _start(self, spec: dict) -> None:
+        self.failed: str | None = None  # why the child is gone (until one started again answers)
+        self.restarts, self._starting, self._backoff, self._retry_at = 0, False, RESTART_FIRST_S, 0.0
+        self._spawn()
         try:
-            self._chan.send(["start", spec])
             msg = self._chan.recv(START_TIMEOUT_S)
         except (OSError, EOFError) as e:
             msg = ["failed", type(e).__name__, str(e)]
         if msg and msg[0] == "ready":
             logger.info("L3 I/O runs in process %d", self._proc.pid)
             return
-        self._proc.kill()
+        self._stop_child()
         self._chan.close()
         kind, text = (msg[1], msg[2]) if msg else ("TimeoutError", f"no answer in {START_TIMEOUT_S:.0f} s")
         raise (ValueError if kind == "ValueError" else RuntimeError)(
             text if kind == "ValueError" else f"the L3 storage process did not start: {kind}: {text}")
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair()
+        fds = (theirs.fileno(), self._pool_fd)
+        self._proc = subprocess.Popen([sys.executable, "-m", "hicache.tiers.remote.process_main", *map(str, fds)],
+                                      pass_fds=fds)
+        theirs.close()
+        self._chan = Channel(ours)
+        self._chan.send(["start", self._spec])
 
     # ---- StorageEngine ----------------------------------------------------------------------
 
@@ -128,6 +131,10 @@ class StorageProcess:
         if host_slots is not None and host_slots.numel() != len(keys) * self.page_size:
             raise ValueError(f"{kind}: {len(keys)} keys but {host_slots.numel()} host slots")
         ticket = next(self._tickets)
+        self._revive()
+        if self.failed is not None:
+            self._done.append(StorageResult(ticket, kind, False, 0, error=self.failed))
+            return ticket
         self._progress[ticket], self._kinds[ticket] = 0, kind
         firsts = None if host_slots is None else host_slots[:: self.page_size].tolist()
         self._send(["op", ticket, kind, list(keys), firsts])
@@ -149,6 +156,7 @@ class StorageProcess:
         return bool(self._call("revoke", [ticket], False))
 
     def poll(self) -> list[StorageResult]:
+        self._revive()
         self._drain(0.0)
         done, self._done = self._done, []
         for res in done:
@@ -168,11 +176,12 @@ class StorageProcess:
         return self._call("status", [], "degraded: the storage process does not answer")
 
     def stats(self) -> dict:
-        return {} if self.failed is not None else self._call("stats", [], {})
+        out = {} if self.failed is not None else self._call("stats", [], {})
+        return {**out, "process_restarts": self.restarts}
 
     def close(self, timeout: float = 30.0) -> None:
         """Lets the child finish its queued backups (up to `timeout`), then stops it."""
-        if self.failed is None:
+        if self.failed is None or self._starting:
             self._send(["close", timeout])
         try:
             self._proc.wait(timeout + CALL_TIMEOUT_S)
@@ -185,9 +194,7 @@ class StorageProcess:
     # ---- the channel ------------------------------------------------------------------------
 
     def _send(self, msg: list) -> None:
-        if self.failed is not None:
-            if msg[0] == "op":
-                self._lost()
+        if self.failed is not None and not self._starting:
             return
         try:
             self._chan.send(msg)
@@ -205,7 +212,7 @@ class StorageProcess:
     def _drain(self, timeout: float, until_one: bool = False) -> None:
         """Handles what the child sent: waits up to `timeout` for the first message, then takes
         the rest that has arrived (only the first with `until_one`)."""
-        while self.failed is None:
+        while self.failed is None or self._starting:
             try:
                 msg = self._chan.recv(max(timeout, 0.0))
             except (EOFError, OSError, ValueError):
@@ -230,15 +237,44 @@ class StorageProcess:
             self._done.append(res)
         elif kind == "reply":
             self._replies[msg[1]] = msg[2]
+        elif kind == "ready":
+            logger.warning("L3: the storage process runs again (process %d); storage resumes", self._proc.pid)
+            self.failed, self._starting, self._backoff = None, False, RESTART_FIRST_S
+            self.restarts += 1
+        elif kind == "failed":
+            self._lost(f"the storage process did not start again: {msg[1]}: {msg[2]}")
 
-    def _lost(self) -> None:
-        """The child is gone: everything in flight ends as a failure."""
-        if self.failed is None:
+    def _lost(self, why: str | None = None) -> None:
+        """The child is gone (or no longer to be trusted: it is killed): everything in flight ends
+        as a failure, and a new child is started after the backoff."""
+        if why is None:
             code = self._proc.poll()
-            self.failed = f"the storage process exited (code {code})" if code is not None else \
-                "the storage process channel broke"
-            logger.error("L3: %s; storage reads and writes are misses from now on", self.failed)
+            why = "the storage process channel broke" if code is None else f"the storage process exited (code {code})"
+        self._stop_child()
+        if self.failed is None or self._starting:
+            self.failed = why
+            logger.error("L3: %s; storage reads and writes are misses until it runs again (in %.0f s)", why,
+                         self._backoff)
+        self._starting, self._retry_at = False, time.monotonic() + self._backoff
+        self._backoff = min(2 * self._backoff, RESTART_MAX_S)
         for ticket, kind in self._kinds.items():
             landed = self._progress.get(ticket, 0) if kind == "fetch" else 0
             self._done.append(StorageResult(ticket, kind, False, landed, error=self.failed))
         self._kinds.clear()
+
+    def _revive(self) -> None:
+        """Starts a new child once the backoff after a loss has passed (it answers later)."""
+        if self.failed is None or self._starting or time.monotonic() < self._retry_at:
+            return
+        self._chan.close()
+        try:
+            self._spawn()
+        except OSError as e:
+            self._lost(f"the storage process could not be started again: {e}")
+            return
+        self._starting = True
+
+    def _stop_child(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
