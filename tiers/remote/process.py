@@ -12,8 +12,9 @@ The channel is a socket pair made at spawn (nothing else can connect to it): fra
 `poll`, `progress` and `wait` read what has arrived. The child assigns its worker's tickets and
 answers with the scheduler's. When the child dies, every operation in flight ends as a failure
 (a fetch keeps the pages reported landed), later ones fail at once, and `status()` says degraded:
-misses, never a wrong page; a new child is started after a backoff and serves once it answers. The child exits when its socket closes (the scheduler's process gone,
-however it went), after its queued backups.
+misses, never a wrong page; a new child is started after a backoff and serves once it answers.
+The child exits when its socket closes (the scheduler's process gone, however it went), after its
+queued backups.
 """
 from __future__ import annotations
 
@@ -249,7 +250,7 @@ class StorageProcess:
         as a failure, and a new child is started after the backoff."""
         if why is None:
             code = self._proc.poll()
-            why = "the storage process channel broke" if code is None else f"the storage process exited (code {code})"
+            why = f"the storage process exited (code {code})" if code is not None else "the storage channel broke"
         self._stop_child()
         if self.failed is None or self._starting:
             self.failed = why
