@@ -15,6 +15,7 @@ import torch
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
+from test_remote import results
 
 NS = "5ea15ea15ea15ea1"
 
@@ -28,15 +29,6 @@ def shared_pool(layout: str = "page_first", tokens: int = 64) -> HostKVPool:
 
 def keys(n: int, salt: str = "") -> list[str]:
     return [f"{salt}{i:x}".rjust(64, "0") for i in range(n)]
-
-
-def results(engine, n: int, timeout: float = 20.0) -> list:
-    out, end = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < end:
-        engine.wait(0.1)
-        out += engine.poll()
-    assert len(out) == n, out
-    return sorted(out, key=lambda r: r.ticket)
 
 
 def alive(pid: int) -> bool:

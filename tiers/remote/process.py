@@ -150,10 +150,8 @@ class StorageProcess:
             self._send(["cancel", ticket])
 
     def revoke(self, ticket: int) -> bool:
-        if ticket not in self._kinds:
+        if ticket not in self._kinds:  # finished (a loss finishes everything in flight)
             return False
-        if self.failed is not None:  # nothing runs any more: the pages are the caller's
-            return True
         return bool(self._call("revoke", [ticket], False))
 
     def poll(self) -> list[StorageResult]:
@@ -165,8 +163,12 @@ class StorageProcess:
         return done
 
     def wait(self, timeout: float) -> None:
-        if not self._done:
-            self._drain(timeout)
+        if self._done:
+            return
+        if self.failed is not None and not self._starting:  # nothing can come: wait as a worker with no work
+            time.sleep(timeout)
+            return
+        self._drain(timeout)
 
     def quiesce(self, timeout: float) -> bool:
         return self.failed is not None or bool(self._call("quiesce", [timeout], False, timeout + CALL_TIMEOUT_S))
