@@ -27,8 +27,8 @@ from hicache.tiers.host.pool import HostKVPool, available_ram, host_pool_tokens
 from hicache.prefetch import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
-from hicache.tiers.remote.redact import redact
 from hicache.tiers.remote.process import StorageProcess
+from hicache.tiers.remote.redact import redact
 from hicache.tiers.remote.worker import StorageWorker
 from hicache.tree import RadixTree
 
