@@ -27,7 +27,7 @@ from hicache.runtime import prompt_logprobs
 from hicache.runtime.batch import BatchPlan
 from hicache.runtime.runner import ModelRunner
 from hicache.runtime.tp import RankGroup, pack_slots
-from hicache.tiers.base import StorageResult, TransferResult
+from hicache.tiers.base import StorageOps, StorageResult, TransferResult
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 
 
@@ -133,21 +133,12 @@ class TransferFanout:
         return getattr(self.local, name)
 
 
-class StorageFanout:
+class StorageFanout(StorageOps):
     """`tiers.base.StorageEngine` over rank 0's storage worker and the followers'."""
 
     def __init__(self, local, ranks: RankGroup):
         self.local, self.ranks = local, ranks
         self._parts: dict[int, list[StorageResult | None]] = {}  # ticket -> per rank, rank 0 first
-
-    def query(self, keys: list[str]) -> int:
-        return self._submit("query", keys, None)
-
-    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("fetch", keys, host_slots)
-
-    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("backup", keys, host_slots)
 
     def _submit(self, kind: str, keys: list[str], host_slots: torch.Tensor | None) -> int:
         ticket = getattr(self.local, kind)(*([keys] if host_slots is None else [keys, host_slots]))

@@ -308,3 +308,17 @@ class StorageEngine(Protocol):
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+class StorageOps:
+    """`StorageEngine.query`, `fetch` and `backup` as one `_submit(kind, keys, host_slots)` (None
+    for a query), which the engine defines."""
+
+    def query(self, keys: list[str]) -> int:
+        return self._submit("query", keys, None)
+
+    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int:
+        return self._submit("fetch", keys, host_slots)
+
+    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int:
+        return self._submit("backup", keys, host_slots)

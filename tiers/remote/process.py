@@ -29,9 +29,8 @@ import threading
 import time
 
 import msgpack
-import torch
 
-from hicache.tiers.base import StorageResult
+from hicache.tiers.base import StorageOps, StorageResult
 from hicache.tiers.remote import check_options
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ class Channel:
         self.sock.close()
 
 
-class StorageProcess:
+class StorageProcess(StorageOps):
     def __init__(self, backend: str, namespace: str, secret, options: dict, host_pool, batch_pages: int):
         if host_pool.shared_fd is None:
             raise ValueError("the storage process needs a host pool in shared memory (HostKVPool(shared=True))")
@@ -116,15 +115,6 @@ class StorageProcess:
         self._chan.send(["start", self._spec])
 
     # ---- StorageEngine ----------------------------------------------------------------------
-
-    def query(self, keys: list[str]) -> int:
-        return self._submit("query", keys, None)
-
-    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("fetch", keys, host_slots)
-
-    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("backup", keys, host_slots)
 
     def _submit(self, kind: str, keys: list[str], host_slots) -> int:
         if kind != "query" and host_slots is None:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.tiers.base import StorageResult
+from hicache.tiers.base import StorageOps, StorageResult
 from hicache.tiers.remote.redact import redact
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class _Op(NamedTuple):
     host_slots: torch.Tensor | None  # [len(keys) * page_size] int64, CPU
 
 
-class StorageWorker:
+class StorageWorker(StorageOps):
     def __init__(self, backend, host_pool, batch_pages: int = 128, on_progress=None):
         """`on_progress(ticket, pages)`, if given, is called on a worker thread whenever a fetch's
         landed pages grow."""
@@ -62,23 +62,14 @@ class StorageWorker:
 
     # ---- scheduler side -------------------------------------------------------------------
 
-    def query(self, keys: list[str]) -> int:
-        return self._submit("prefetch", "query", keys, None)
-
-    def fetch(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("prefetch", "fetch", keys, host_slots)
-
-    def backup(self, keys: list[str], host_slots: torch.Tensor) -> int:
-        return self._submit("backup", "backup", keys, host_slots)
-
-    def _submit(self, queue_name: str, kind: str, keys: list[str], host_slots) -> int:
+    def _submit(self, kind: str, keys: list[str], host_slots) -> int:
         if host_slots is not None and host_slots.numel() != len(keys) * self.page_size:
             raise ValueError(f"{kind}: {len(keys)} keys but {host_slots.numel()} host slots")
         ticket = next(self._tickets)
         with self._cv:
             self._pending += 1
             self._progress[ticket] = 0
-        self._queues[queue_name].put(_Op(ticket, kind, keys, host_slots))
+        self._queues["backup" if kind == "backup" else "prefetch"].put(_Op(ticket, kind, keys, host_slots))
         return ticket
 
     def progress(self, ticket: int) -> int:
