@@ -13,11 +13,12 @@ missing they are skipped (and said so); where it exists, the configurations with
 L1 (`--max-total-tokens`) is sized to `--l1-fraction` of the workload's working set (every
 conversation at its final length), so that L1 cannot hold it: the case HiCache exists for. The
 script prints the working set and each tier's capacity (from `/hicache/stats`), shows a progress bar
-per configuration, and writes under `--out` (default `benchmarks/results/`): `NAME.md` (tables),
-`NAME.jsonl` (one line per configuration, from multiturn.py), `NAME_ttft_by_round.png`,
-`NAME_throughput.png` and `NAME_hit_rate_by_round.png`. `--replot` rewrites the table and plots from
-the latest line of each configuration in `NAME.jsonl`, so configurations can be run in separate
-invocations (`--configs ...`; `--l3-path` keeps the LMDB folder for a later `L3-warm`).
+per configuration, and writes under `--out` (default `benchmarks/results/`): `NAME.md` (tables, the
+CPU seconds of the server's processes among them), `NAME.jsonl` (one line per configuration, from
+multiturn.py), `NAME_ttft_by_round.png`, `NAME_throughput.png` and `NAME_hit_rate_by_round.png`.
+`--replot` rewrites the tables and plots from the latest line of each configuration in `NAME.jsonl`,
+so configurations can be run in separate invocations (`--configs ...`; `--l3-path` keeps the LMDB
+folder for a later `L3-warm`).
 
 The no-reuse workload (what the cache machinery costs when nothing can hit) is multiturn with one
 round: every prompt is fresh random tokens (`-- --num-rounds 1 --num-clients 64`).
@@ -48,9 +49,11 @@ import httpx
 
 import long_context
 import multiturn
+from proctree import cpu_since, tree_cpu
 
 SERVER = [sys.executable, "-m", "hicache.server.cli", "serve"]
 ALL_CONFIGS = ("radix-off", "L1", "L1+L2", "L1+L2+L3", "L3-warm")
+CPU_ROLES = ("http", "scheduler", "storage")
 
 
 @dataclass
@@ -190,9 +193,11 @@ def run_config(cfg: Config, args, wl_argv: list[str], module, progress, logs: Pa
             if not progress.console.is_terminal and n in ends:  # a log file: a line per round's worth, not a bar
                 progress.console.print(f"{cfg.name}: {n}/{total} requests, {progress.tasks[task].elapsed:.0f} s")
 
+        cpu = tree_cpu(server.proc.pid)
         result = asyncio.run(multiturn.run(wl, workload, done))
         result["server"] = {"config": cfg.name, "flags": [*args.server_flags, *cfg.flags], "capacity_tokens": cap,
-                            "tiers_after": server.drain()}  # so that a warm restart finds every backup
+                            "tiers_after": server.drain(),  # so that a warm restart finds every backup
+                            "cpu_s": cpu_since(server.proc.pid, cpu)}  # over the run and the drain
     except Exception:
         progress.console.print(f"[red]{cfg.name} failed[/]; server log tail:\n{server.log_tail()}")
         raise
@@ -333,11 +338,20 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         cells = [f"{x['cache_hit_rate']:.0%} ({_tier_rates(x['hit_rate_by_tier'])})" for x in r["rounds"]]
         lines.append(f"| {r['tag']} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU seconds of the server's processes over the run and the drain of its copies to L2 and L3.", "",
+              "| configuration | HTTP | scheduler | L3 storage | all |", "|---|---:|---:|---:|---:|"]
+    lines += [_cpu_row(r["tag"], r["server"].get("cpu_s", {})) for r in results]
     lines += ["", "TTFT p50 by round (ms).", "",
               "| configuration | " + " | ".join(f"round {n}" for n in rounds) + " |", "|---|" + "---:|" * len(rounds)]
     for r in results:
         lines.append(f"| {r['tag']} | " + " | ".join(f"{x['ttft_ms']['p50']:.0f}" for x in r["rounds"]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu_row(tag: str, cpu: dict[str, float]) -> str:
+    """A row of CPU seconds by process role ("-": not measured, as in lines written before it was)."""
+    cells = [f"{cpu[k]:.1f}" if k in cpu else "-" for k in CPU_ROLES] + [f"{sum(cpu.values()):.1f}" if cpu else "-"]
+    return f"| {tag} | " + " | ".join(cells) + " |"
 
 
 def _tier_rates(rates: dict) -> str:

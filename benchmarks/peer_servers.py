@@ -6,9 +6,9 @@ All three serve the default model: hicache and llama.cpp its GGUF, vLLM an HF fo
 from it (`lm_eval_task.hf_folder`: the dequantized weights in fp32, and the tokenizer). A peer whose
 install fails is skipped, with the reason. vLLM keeps its own CPU defaults (OpenMP threads bound by
 `VLLM_CPU_OMP_THREADS_BIND=auto`, which leaves a core to its scheduler process) but for a 4 GiB KV
-cache; the caller's environment variables win. llama.cpp gets `--threads` threads. `RssSampler`
-follows a server's process tree (API process, scheduler or engine-core children) and keeps the peak
-of their summed RSS.
+cache; the caller's environment variables win. llama.cpp gets `--threads` threads.
+`proctree.RssSampler` follows a server's process tree (API process, scheduler or engine-core
+children) and keeps the peak of their summed RSS.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import psutil
 
 from compare import SERVER, Server
 from lm_eval_task import hf_folder
+from proctree import processes
 
 from hicache.runtime.default_model import default_model_path, hicache_home
 
@@ -124,48 +124,10 @@ def start(peer: Peer, python: Path, home: Path, threads: int, log: Path,
 
 def stop(server: Server) -> None:
     """Stops the server, then whatever children of it outlived it."""
-    try:
-        children = psutil.Process(server.proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
+    children = processes(server.proc.pid)[1:]
     server.stop()
     for child in children:
         try:
             child.kill()
         except psutil.NoSuchProcess:
             pass
-
-
-def tree_rss(pid: int) -> int:
-    """Bytes resident in the process `pid` and all its descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-class RssSampler:
-    """Samples a process tree's RSS every `period` seconds in a thread; `peak` is the largest sum seen."""
-
-    def __init__(self, pid: int, period: float = 0.5):
-        self.pid, self.period, self.peak = pid, period, tree_rss(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            self.peak = max(self.peak, tree_rss(self.pid))
-
-    def close(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak

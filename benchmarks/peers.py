@@ -39,6 +39,7 @@ import httpx
 
 import multiturn
 import peer_servers
+from proctree import RssSampler
 
 WORKLOADS = ("multiturn", "mixed", "shared")
 AGREEMENT_PROMPTS = ("The capital of France is", "Water boils at a temperature of", "Once upon a time, there was",
@@ -141,7 +142,7 @@ def run_peer(peer: peer_servers.Peer, python: Path, args, repeat: int, logs: Pat
     extra = tuple(shlex.split(args.hicache_args)) if peer.name == "hicache" else ()
     server, flags = peer_servers.start(peer, python, peer_servers.peers_home(), args.threads,
                                        logs / f"{peer.name}-{repeat}.log", extra)
-    sampler = peer_servers.RssSampler(server.proc.pid)
+    sampler = RssSampler(server.proc.pid)
     out: dict = {"startup_s": round(server.startup_s, 1)}
     try:
         t = Target(server.url, httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"], flags)

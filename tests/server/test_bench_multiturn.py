@@ -181,13 +181,16 @@ def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
     finally:
         sys.path.remove(str(BENCH))
     log = tmp_path / "t.jsonl"
+    cpu = {"L1+L2": {"http": 0.5, "scheduler": 3.0, "storage": 1.3, "other": 0.0}}  # L1's lines predate it
     for name in ("L1+L2", "L1", "L1"):  # written out of order, L1 twice: the table takes the latest, in order
-        multiturn.append_jsonl(dict(result, tag=name, server={"capacity_tokens": {"device": 192, "host": 768, "storage": 0}},
+        server = {"capacity_tokens": {"device": 192, "host": 768, "storage": 0}}
+        multiturn.append_jsonl(dict(result, tag=name, server={**server, **({"cpu_s": cpu[name]} if name in cpu else {})},
                                     compare={"command": "compare.py --test", "planned_working_set": 1000,
                                              "l1_tokens": 192}), log)
     compare.main(["--replot", "--name", "t", "--out", str(tmp_path)])
     md = (tmp_path / "t.md").read_text()
-    assert md.count("\n| L1 |") == 3 and md.count("\n| L1+L2 |") == 3  # three tables, one row each
+    assert md.count("\n| L1 |") == 4 and md.count("\n| L1+L2 |") == 4  # four tables, one row each
+    assert "\n| L1+L2 | 0.5 | 3.0 | 1.3 | 4.8 |" in md and "\n| L1 | - | - | - | - |" in md
     assert md.index("\n| L1 |") < md.index("\n| L1+L2 |") and "round 2" in md and "compare.py --test" in md
     for suffix in ("ttft_by_round", "throughput", "hit_rate_by_round"):
         assert (tmp_path / f"t_{suffix}.png").stat().st_size > 1000
@@ -215,3 +218,39 @@ def test_peers_workloads_through_openai(small_l1_server):
     assert peers.decode_itl_ms(target, 6, sizes) > 0
     texts = peers.greedy_texts(target, sizes)
     assert len(texts) == 1 and texts[0]
+
+
+TREE = """
+import subprocess, sys, time
+burn = "import sys, time\\nwhile time.process_time() < 0.3: pass\\nprint('burnt', flush=True)\\ntime.sleep(60)"
+kids = [subprocess.Popen([sys.executable, "-c", burn, *extra], stdout=subprocess.PIPE, text=True)
+        for extra in ([], ["hicache.tiers.remote.process_main"])]
+for k in kids:
+    k.stdout.readline()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_proctree_cpu_by_role():
+    """compare.py's CPU table: a live tree's CPU seconds summed by role, the storage process told
+    apart by its module on the command line."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import proctree
+    finally:
+        sys.path.remove(str(BENCH))
+    root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert root.stdout.readline().strip() == "ready"
+        cpu = proctree.tree_cpu(root.pid)  # each child burnt 0.3 s (psutil counts in clock ticks)
+        assert set(cpu) == {"http", "scheduler", "storage"}
+        assert cpu["scheduler"] >= 0.25 and cpu["storage"] >= 0.25 and cpu["http"] < 0.25
+        since = proctree.cpu_since(root.pid, {"scheduler": 0.1})
+        assert abs(since["scheduler"] - (cpu["scheduler"] - 0.1)) < 0.05 and since["storage"] >= 0.25
+        assert len(proctree.processes(root.pid)) == 3
+    finally:
+        for p in reversed(proctree.processes(root.pid)):
+            p.kill()
+        root.wait()
+    assert proctree.tree_cpu(root.pid) == {} and proctree.tree_rss(root.pid) == 0
