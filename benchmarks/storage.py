@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/storage.py [--batches 4] [--skip-redis] [--mooncake] [--skip-multi-turn]
         [--conversations 16] [--turns 4] [--policy timeout] [--shape smollm2|llama-8b] [--batch-pages 128]
-        [--l3-shards 1 4 8] [--host-layout page_first|layer_first] [--busy-python]
+        [--l3-shards 1 4 8] [--host-layout page_first|layer_first] [--busy-python] [--floor-mib 1024]
 
 1. Bandwidth: the I/O worker (`tiers/remote/worker.py`, the path the engine uses: framing, checksum,
    backend) writes and reads batches of 128 pages of the default model's shape (SmolLM2-135M,
@@ -17,7 +17,11 @@
    `--host-layout layer_first`: host pools of the layer-first layout (a page is one block per
    layer and K/V), as a GPU server's L2 by default. `--busy-python`: a thread runs pure Python
    meanwhile, as the scheduler thread does between its steps, so that the storage threads wait
-   for the GIL after every call that released it.
+   for the GIL after every call that released it. First, the floor under LMDB's writes (its commit
+   writes each page through the page cache): the host's rate of writing `--floor-mib` MiB with
+   `pwrite` into new pages of a file in the LMDB folder's file system, again into the pages that
+   file freed, then over the cached pages. On a VM that hands freed memory back to its host, new
+   pages cost a host fault each: the first rate is far below the others.
 2. Multi-turn: C conversations share a system prompt; each turn appends a user message (`--turn`
    tokens of source code) and a greedy answer; each turn of every conversation is submitted at
    once. L1 holds about two final-length conversations and L2 (`hicache_ratio` 2, the default)
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -81,6 +86,23 @@ def default_shards() -> int:
     from hicache.tiers.remote.lmdb import DEFAULT_SHARDS
 
     return DEFAULT_SHARDS
+
+
+def page_cache_floor(folder: str, mib: int) -> dict:
+    """GB/s of `pwrite` into a new file (`new`), a new file again (`new_again`: the pages the first
+    freed) and over the cached file (`overwrite`), 4 MiB at a time."""
+    block, path, out = os.urandom(4 << 20), Path(folder) / "floor.bin", {}
+    for name in ("new", "new_again", "overwrite"):
+        if name != "overwrite":
+            path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        start = time.perf_counter()
+        for i in range(max(mib // 4, 1)):
+            os.pwrite(fd, block, i * len(block))
+        out[name] = max(mib // 4, 1) * len(block) / (time.perf_counter() - start) / 1e9
+        os.close(fd)
+    path.unlink()
+    return out
 
 
 def storage_engine(io: str, backend_name: str, backend_options: dict, pool, batch_pages: int):
@@ -288,8 +310,13 @@ def main() -> None:
                     help="where the L3 I/O runs: a storage process (the server's default) or threads of this one")
     ap.add_argument("--l3-shards", type=int, nargs="+", default=[None],
                     help="LMDB shard counts to measure, one run each (default: the backend's default)")
+    ap.add_argument("--floor-mib", type=int, default=1024, help="MiB written by the page-cache floor (0: skip it)")
     args = ap.parse_args()
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "bandwidth": []}
+    if args.floor_mib:
+        with tempfile.TemporaryDirectory(prefix="hicache-bench-floor-", dir=args.lmdb_dir) as folder:
+            record["page_cache_floor_gbps"] = floor = page_cache_floor(folder, args.floor_mib)
+        print("page cache floor (pwrite GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in floor.items()))
     for shards in args.l3_shards:
         with tempfile.TemporaryDirectory(prefix="hicache-bench-lmdb-", dir=args.lmdb_dir) as folder:
             options = {"path": folder} if shards is None else {"path": folder, "shards": shards}

@@ -1,7 +1,8 @@
 """The benchmark suite: multiturn.py's driver against a fake server (arrival rules, errors), then
 against a live server benchmarks/multiturn.py (native and OpenAI clients) and
 benchmarks/long_context.py run as scripts for a tiny workload; the JSON lines they append are
-checked, then fed to compare.py's table and plots."""
+checked, then fed to compare.py's tables and plots; the CPU readings of a server's process tree
+(proctree.py) and storage.py's page-cache floor."""
 from __future__ import annotations
 
 import asyncio
@@ -254,3 +255,15 @@ def test_proctree_cpu_by_role():
             p.kill()
         root.wait()
     assert proctree.tree_cpu(root.pid) == {} and proctree.tree_rss(root.pid) == 0
+
+
+def test_storage_page_cache_floor(tmp_path):
+    """storage.py's floor under LMDB's writes: three rates, the file it wrote removed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import storage
+    finally:
+        sys.path.remove(str(BENCH))
+    floor = storage.page_cache_floor(str(tmp_path), 8)
+    assert set(floor) == {"new", "new_again", "overwrite"} and all(v > 0 for v in floor.values())
+    assert not any(tmp_path.iterdir())
