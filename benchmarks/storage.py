@@ -92,14 +92,15 @@ def page_cache_floor(folder: str, mib: int) -> dict:
     """GB/s of `pwrite` into a new file (`new`), a new file again (`new_again`: the pages the first
     freed) and over the cached file (`overwrite`), 4 MiB at a time."""
     block, path, out = os.urandom(4 << 20), Path(folder) / "floor.bin", {}
+    blocks = max(mib // 4, 1)
     for name in ("new", "new_again", "overwrite"):
         if name != "overwrite":
             path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         start = time.perf_counter()
-        for i in range(max(mib // 4, 1)):
+        for i in range(blocks):
             os.pwrite(fd, block, i * len(block))
-        out[name] = max(mib // 4, 1) * len(block) / (time.perf_counter() - start) / 1e9
+        out[name] = blocks * len(block) / (time.perf_counter() - start) / 1e9
         os.close(fd)
     path.unlink()
     return out

@@ -6,6 +6,7 @@ checked, then fed to compare.py's tables and plots; the CPU readings of a server
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import subprocess
 import sys
@@ -16,10 +17,18 @@ import pytest
 from server_harness import start_server
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import multiturn  # noqa: E402
 
-sys.path.remove(str(BENCH))
+
+def bench_module(name: str):
+    """A script of benchmarks/ imported as a module (the folder on the path for the import only)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+multiturn = bench_module("multiturn")
 CLIENTS, ROUNDS, QUESTION, OUTPUT, PAGE = 4, 3, 32, 4, 16
 
 
@@ -176,11 +185,7 @@ def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
     assert all(r["cache_hit_rate"] > 0 for r in result["rounds"][1:])  # the documents are reused
 
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(BENCH))
-    try:
-        import compare
-    finally:
-        sys.path.remove(str(BENCH))
+    compare = bench_module("compare")
     log = tmp_path / "t.jsonl"
     cpu = {"L1+L2": {"http": 0.5, "scheduler": 3.0, "storage": 1.3, "other": 0.0}}  # L1's lines predate it
     for name in ("L1+L2", "L1", "L1"):  # written out of order, L1 twice: the table takes the latest, in order
@@ -201,11 +206,7 @@ def test_long_context_and_compare_outputs(small_l1_server, tmp_path):
 def test_peers_workloads_through_openai(small_l1_server):
     """benchmarks/peers.py's batch workloads (text prompts through /v1/completions, chats behind one
     system prompt), its batch-1 decode and its greedy texts against the live server."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import peers
-    finally:
-        sys.path.remove(str(BENCH))
+    peers = bench_module("peers")
     import httpx
 
     model = httpx.get(small_l1_server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -236,11 +237,7 @@ time.sleep(60)
 def test_proctree_cpu_by_role():
     """compare.py's CPU table: a live tree's CPU seconds summed by role, the storage process told
     apart by its module on the command line."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import proctree
-    finally:
-        sys.path.remove(str(BENCH))
+    proctree = bench_module("proctree")
     root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
     try:
         assert root.stdout.readline().strip() == "ready"
@@ -259,11 +256,7 @@ def test_proctree_cpu_by_role():
 
 def test_storage_page_cache_floor(tmp_path):
     """storage.py's floor under LMDB's writes: three rates, the file it wrote removed."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import storage
-    finally:
-        sys.path.remove(str(BENCH))
+    storage = bench_module("storage")
     floor = storage.page_cache_floor(str(tmp_path), 8)
     assert set(floor) == {"new", "new_again", "overwrite"} and all(v > 0 for v in floor.values())
     assert not any(tmp_path.iterdir())
