@@ -160,6 +160,8 @@ class StorageController:
 
     def _on_query(self, op: PrefetchOp, res: StorageResult) -> None:
         op.phase = "done"
+        self.counters["queries_answered"] += 1
+        self.counters["query_seconds"] += time.monotonic() - op.started  # the round trip, as folded in
         if not res.ok or res.pages * self.page_size < self._min_tokens():
             self.counters["prefetch_below_threshold" if res.ok else "prefetch_failed"] += 1
             return

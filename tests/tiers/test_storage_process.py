@@ -66,6 +66,26 @@ def test_pages_go_through_the_child_and_come_back_identical(tmp_path, layout):
     backend.close()
 
 
+def test_statistics_never_wait_for_the_child(tmp_path):
+    pool = shared_pool()
+    proc = StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, pool, batch_pages=2)
+    try:
+        assert "queries" not in proc.stats() and proc.status() == "ok"  # the first report is waited for
+        os.kill(proc._proc.pid, signal.SIGSTOP)  # a child that answers nothing for a while
+        try:
+            proc.query(keys(3))
+            assert proc.status() == "ok" and "queries" not in proc.stats()  # its last report, at once
+        finally:
+            os.kill(proc._proc.pid, signal.SIGCONT)
+        assert results(proc, 1)[0].pages == 0
+        end = time.monotonic() + 10
+        while "queries" not in proc.stats() and time.monotonic() < end:  # each call asks for the next report
+            proc.wait(0.05)
+        assert proc.stats()["queries"] == 1
+    finally:
+        proc.close()
+
+
 def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
     pool = shared_pool()
     with pytest.raises(ValueError, match="does not take colour"):

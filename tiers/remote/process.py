@@ -10,11 +10,13 @@ backend; the scheduler's process only sends it page keys and slots.
 The channel is a socket pair made at spawn (nothing else can connect to it): frames of msgpack
 (`Channel`), never pickle. The scheduler thread alone talks to it, without a thread of its own:
 `poll`, `progress` and `wait` read what has arrived. The child assigns its worker's tickets and
-answers with the scheduler's. When the child dies, every operation in flight ends as a failure
-(a fetch keeps the pages reported landed), later ones fail at once, and `status()` says degraded:
-misses, never a wrong page; a new child is started after a backoff and serves once it answers.
-The child exits when its socket closes (the scheduler's process gone, however it went), after its
-queued backups.
+answers with the scheduler's. `status()` and `stats()` never wait for the child (the server takes
+statistics whenever a request finishes): they give its last report and ask for the next one; only
+the first report, and the first after a quiesce or a restart, is waited for. When the child dies,
+every operation in flight ends as a failure (a fetch keeps the pages reported landed), later ones
+fail at once, and `status()` says degraded: misses, never a wrong page; a new child is started
+after a backoff and serves once it answers. The child exits when its socket closes (the
+scheduler's process gone, however it went), after its queued backups.
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ class StorageProcess(StorageOps):
         self._kinds: dict[int, str] = {}
         self._done: list[StorageResult] = []
         self._replies: dict[int, object] = {}
+        self._report: dict | None = None  # the child's status and stats, as of its last report
+        self._report_call: int | None = None  # the report asked for and not yet answered
         self.failed: str | None = None  # why the child is gone (until one started again answers)
         self.restarts, self._starting, self._backoff, self._retry_at = 0, False, RESTART_FIRST_S, 0.0
         self._spawn()
@@ -161,16 +165,29 @@ class StorageProcess(StorageOps):
         self._drain(timeout)
 
     def quiesce(self, timeout: float) -> bool:
-        return self.failed is not None or bool(self._call("quiesce", [timeout], False, timeout + CALL_TIMEOUT_S))
+        done = self.failed is not None or bool(self._call("quiesce", [timeout], False, timeout + CALL_TIMEOUT_S))
+        self._report = None  # the next statistics are taken after it
+        return done
 
     def status(self) -> str:
         if self.failed is not None:
             return f"degraded: {self.failed}"
-        return self._call("status", [], "degraded: the storage process does not answer")
+        return self._latest_report().get("status", "degraded: the storage process does not answer")
 
     def stats(self) -> dict:
-        out = {} if self.failed is not None else self._call("stats", [], {})
+        out = {} if self.failed is not None else self._latest_report().get("stats", {})
         return {**out, "process_restarts": self.restarts}
+
+    def _latest_report(self) -> dict:
+        """The child's last report ({} if it did not answer); asks for the next one."""
+        self._drain(0.0)
+        if self._report is None:
+            self._report = self._call("report", [], None) or None
+            return self._report or {}
+        if self._report_call is None:
+            self._report_call = next(self._calls)
+            self._send(["call", self._report_call, "report", []])
+        return self._report
 
     def close(self, timeout: float = 30.0) -> None:
         """Lets the child finish its queued backups (up to `timeout`), then stops it."""
@@ -228,11 +245,14 @@ class StorageProcess(StorageOps):
             res = StorageResult(*msg[1:])
             self._kinds.pop(res.ticket, None)
             self._done.append(res)
+        elif kind == "reply" and msg[1] == self._report_call:
+            self._report, self._report_call = msg[2], None
         elif kind == "reply":
             self._replies[msg[1]] = msg[2]
         elif kind == "ready":
             logger.warning("L3: the storage process runs again (process %d); storage resumes", self._proc.pid)
             self.failed, self._starting, self._backoff = None, False, RESTART_FIRST_S
+            self._report = self._report_call = None
             self.restarts += 1
         elif kind == "failed":
             self._lost(f"the storage process did not start again: {msg[1]}: {msg[2]}")
@@ -249,6 +269,7 @@ class StorageProcess(StorageOps):
             logger.error("L3: %s; storage reads and writes are misses until it runs again (in %.0f s)", why,
                          self._backoff)
         self._starting, self._retry_at = False, time.monotonic() + self._backoff
+        self._report = self._report_call = None
         self._backoff = min(2 * self._backoff, RESTART_MAX_S)
         for ticket, kind in self._kinds.items():
             landed = self._progress.get(ticket, 0) if kind == "fetch" else 0

@@ -3,7 +3,7 @@
 
 The first message configures it (backend, namespace, secret, pool layout); it answers "ready" or
 "failed". Then it submits every "op" to the worker under a ticket of its own, answers "call"s
-(revoke, quiesce, status, stats), and a thread forwards the worker's progress and results with
+(revoke, quiesce, report: status and stats), and a thread forwards the worker's progress and results with
 the scheduler's tickets. It ends on "close" or when its socket closes, after the queued backups.
 It runs at a lower CPU priority than the server: while its threads copy and checksum pages on every
 core, the scheduler thread, which keeps the GPU fed, still gets one the moment it needs it.
@@ -80,8 +80,8 @@ class Child:
             answer = args[0] in self._ours and self.worker.revoke(self._ours[args[0]])
         elif kind == "quiesce":
             answer = self.worker.quiesce(args[0])
-        else:  # status, stats
-            answer = getattr(self.worker, kind)()
+        else:  # report
+            answer = {"status": self.worker.status(), "stats": self.worker.stats()}
         self.chan.send(["reply", call, answer])
 
     def _progress(self, mine: int, pages: int) -> None:
