@@ -86,6 +86,37 @@ def test_statistics_never_wait_for_the_child(tmp_path):
         proc.close()
 
 
+def test_the_child_reuses_the_large_blocks_it_frees():
+    """LMDB's write transactions allocate and free each large value's pages: the storage process
+    keeps those blocks, so that writing again faults in no fresh memory (counted in page faults)."""
+    code = textwrap.dedent("""
+        import ctypes, resource, threading
+        from hicache.tiers.remote.process_main import keep_freed_memory
+        assert keep_freed_memory()
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        faults = []
+        def transactions():  # on a thread, as the shards' writers
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(20):
+                blocks = [libc.malloc((8 << 20) + 4096) for _ in range(4)]
+                for b in blocks:
+                    libc.memset(b, 1, 8 << 20)
+                for b in blocks:
+                    libc.free(b)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        t = threading.Thread(target=transactions)
+        t.start()
+        t.join()
+        print(faults[0])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pages = 4 * (8 << 20) // 4096  # one transaction's blocks, faulted in once
+    assert int(out.stdout) < 3 * pages  # not once per transaction (20 times)
+
+
 def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
     pool = shared_pool()
     with pytest.raises(ValueError, match="does not take colour"):

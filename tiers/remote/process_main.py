@@ -10,6 +10,7 @@ core, the scheduler thread, which keeps the GPU fed, still gets one the moment i
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -25,6 +26,9 @@ from hicache.tiers.remote.process import Channel
 from hicache.tiers.remote.worker import StorageWorker
 
 CLOSE_TIMEOUT_S = 30.0
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit: blocks up to this size come from the heap
+TRIM_THRESHOLD = 1 << 30  # free heap kept for reuse before any is returned to the kernel
 NICENESS = 10  # below the scheduler's process: its thread launches the GPU's work and must get a core at once
 logger = logging.getLogger(__name__)
 
@@ -105,9 +109,21 @@ class Child:
             self.worker.wait(0.5)
 
 
+def keep_freed_memory() -> bool:
+    """Has the C library keep the large blocks this process frees for its next allocations. LMDB
+    allocates the pages of every large value in its write transaction and frees them at the commit;
+    glibc returns such blocks to the kernel by default, so that each write faults in and zeroes
+    fresh memory, which costs more than the copy itself. False where there is no `mallopt`."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the server, which closes us
     os.nice(NICENESS)
+    keep_freed_memory()
     chan = Channel(socket.socket(fileno=int(argv[0])))
     kind, spec = chan.recv(None)
     logging.basicConfig(level=spec.pop("log_level") or logging.WARNING,
