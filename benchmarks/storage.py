@@ -151,6 +151,8 @@ def bandwidth(backend_name: str, backend_options: dict, batches: int, shape: str
     shards = backend_options.get("shards", default_shards()) if backend_name == "lmdb" else 0
     worker.close()
     reader.close()
+    src.close()
+    dst.close()
     nbytes = batch_pages * page_bytes
     return {"backend": backend_name, "label": backend_name + (f" x{shards}" if shards else ""), "shards": shards,
             "shape": shape, "page_bytes": page_bytes, "batch_pages": batch_pages, "layout": layout, "busy": busy,

@@ -117,6 +117,18 @@ def test_the_child_reuses_the_large_blocks_it_frees():
     assert int(out.stdout) < 3 * pages  # not once per transaction (20 times)
 
 
+def test_closing_a_shared_pool_ends_its_memfd_and_keeps_its_bytes():
+    for i in range(3):  # with CUDA, each new pool is registered, maybe where a closed one was mapped
+        pool = shared_pool()
+        pool.buffer.fill_(i)
+        fd = pool.shared_fd
+        pool.close()
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        assert pool.shared_fd is None and not pool.pinned and bool((pool.buffer == i).all())
+        del pool
+
+
 def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
     pool = shared_pool()
     with pytest.raises(ValueError, match="does not take colour"):

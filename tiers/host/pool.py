@@ -93,6 +93,17 @@ class HostKVPool:
         the same pages, unpinned (for the storage process)."""
         return cls(**{**spec, "dtype": getattr(torch, spec["dtype"])}, pin=False, fd=fd)
 
+    def close(self) -> None:
+        """Done with a shared pool: its registration with CUDA ends (else memory mapped later at the
+        same address could not be registered) and its memfd closes; the buffer stays readable."""
+        if self.shared_fd is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+        os.close(self.shared_fd)
+        self.shared_fd = None
+
     def bytes_per_token(self) -> int:
         return self._token_bytes
 

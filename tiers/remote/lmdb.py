@@ -1,5 +1,5 @@
 """`lmdb`: the embedded L3, LMDB on local disk (default `$HICACHE_HOME/storage/lmdb`), in `shards`
-environments (default: the cores, at most 16; `lmdb_layout.py`: the folder, and which shard holds a key), each with
+environments (default: the cores, at most 8; `lmdb_layout.py`: the folder, and which shard holds a key), each with
 its share of the map and of `size_cap_gb`, its own eviction and byte count, and its own writer
 thread, so that the shards' write transactions run at once (py-lmdb releases the GIL in them).
 
@@ -64,7 +64,7 @@ logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
 GB = 10**9
 REOPEN_INTERVAL_S = 1.0  # a path that could not be opened is tried again at most this often
-DEFAULT_SHARDS = max(1, min(16, os.cpu_count() or 1))  # a writer thread each: more than the cores only contend
+DEFAULT_SHARDS = max(1, min(8, os.cpu_count() or 1))  # a writer thread each: more contend for the page cache
 
 
 class LmdbBackend(BackendBase):
