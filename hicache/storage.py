@@ -385,6 +385,6 @@ class StorageController:
         out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
                   "backup_dropped_tokens", "backup_revoked_tokens", "prefetch_recompute_chosen", "prefetch_seconds",
-                  "backup_seconds"):
+                  "backup_seconds", "queries_answered", "query_seconds"):
             out.setdefault(k, 0)
         return out

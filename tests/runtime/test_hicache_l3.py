@@ -320,6 +320,8 @@ def test_a_request_arriving_while_others_decode_joins_the_next_batch_once_its_qu
     assert sched.cache.storage.counters["prefetch_queries"] == 1
     drain(sched)
     settle(sched)
+    storage = sched.stats()["tiers"]["storage"]  # the query's round trip, as the scheduler saw it
+    assert storage["queries_answered"] == 1 and 0 < storage["query_seconds"] < 10
 
 
 def test_abort_during_a_fetch_frees_its_pages(tiny_config_path, reference):
