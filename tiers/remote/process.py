@@ -182,7 +182,7 @@ class StorageProcess(StorageOps):
         """The child's last report ({} if it did not answer); asks for the next one."""
         self._drain(0.0)
         if self._report is None:
-            self._report = self._call("report", [], None) or None
+            self._report = self._call("report", [], None)
             return self._report or {}
         if self._report_call is None:
             self._report_call = next(self._calls)
