@@ -65,6 +65,9 @@ def summarize(records: list[Record], duration: float) -> dict:
 
 
 def append_jsonl(result: dict, path: str | Path) -> None:
+    """Appends the result as one JSON line; an empty path ('') writes nothing."""
+    if not str(path):
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="document lengths in tokens, drawn uniform in [MIN, MAX]")
     p.add_argument("--questions-per-doc", type=int, default=16)
     p.add_argument("--question-length", type=int, default=64)
-    p.add_argument("--log-file", default=str(RESULTS / "long_context.jsonl"), help="JSON line appended here")
+    p.add_argument("--log-file", default=str(RESULTS / "long_context.jsonl"), help="JSON line appended here ('': none)")
     add_common_args(p)
     args = p.parse_args(argv)
     args.benchmark = "long_context"

@@ -374,7 +374,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-length", type=int, default=256, help="round 0's question, in tokens")
     p.add_argument("--question-length", type=int, default=None,
                    help="later rounds' questions (default: request length)")
-    p.add_argument("--log-file", default=str(RESULTS / "multiturn.jsonl"), help="JSON line appended here")
+    p.add_argument("--log-file", default=str(RESULTS / "multiturn.jsonl"), help="JSON line appended here ('': none)")
     add_common_args(p)
     args = p.parse_args(argv)
     args.benchmark = "multiturn"

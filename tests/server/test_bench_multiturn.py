@@ -97,6 +97,14 @@ def test_summary_metrics():
     assert s["ttft_ms"]["p50"] == pytest.approx(500) and s["working_set_tokens"] == 104
 
 
+def test_an_empty_log_file_appends_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    multiturn.append_jsonl({"requests": 1}, "")  # a warm-up run's results, kept nowhere
+    assert list(tmp_path.iterdir()) == []
+    multiturn.append_jsonl({"requests": 2}, tmp_path / "runs.jsonl")
+    assert [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()] == [{"requests": 2}]
+
+
 def storage_off() -> list[str]:
     """`--hicache-storage-backend none` where the server has an L3 tier, so no test writes to the user's."""
     out = subprocess.run([sys.executable, "-m", "hicache.server.cli", "serve", "--help"], capture_output=True,
