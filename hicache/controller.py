@@ -266,7 +266,7 @@ class CacheController(ControllerAudit):
         if short > 0:
             self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
         while self.storage is not None and n > alloc.num_free_tokens():
-            if not self.storage.revoke_backups(n - alloc.num_free_tokens()):
+            if not self.storage.backups.revoke(n - alloc.num_free_tokens()):
                 break
             self.counters["host_evicted_tokens"] += self.tree.evict_host(n - alloc.num_free_tokens())
         return alloc.alloc(n) if alloc.num_free_tokens() >= n else None

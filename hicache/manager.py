@@ -310,6 +310,11 @@ class CacheManager:
         prefetch committed to the tree (empty without L3)."""
         return self.storage.ready(rid) if self.storage is not None else StorageRange()
 
+    def admitted(self, rid: str) -> None:
+        """The request was admitted: the L2 pages its prefetch committed need no pin any more."""
+        if self.storage is not None:
+            self.storage.admitted(rid)
+
     def revoke(self, rid: str) -> None:
         if self.storage is not None:
             self.storage.revoke(rid)

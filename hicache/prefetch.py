@@ -1,6 +1,6 @@
-"""The storage controller's options and bookkeeping records: `StorageOptions` (prefetch policy and
-timeouts, backup queue bound), `PrefetchOp` (one request's prefetch), `BackupJob` (one queued L3
-write) and `StorageRange` (the prompt tokens a committed prefetch put into the tree)."""
+"""The storage controller's options and prefetch records: `StorageOptions` (prefetch policy and
+timeouts, backup queue bound), `PrefetchOp` (one request's prefetch) and `StorageRange` (the prompt
+tokens a committed prefetch put into the tree)."""
 from __future__ import annotations
 
 import time
@@ -45,26 +45,35 @@ class StorageOptions:
 
 
 class PrefetchOp:
-    """One request's prefetch: querying, deferred (L3 has the pages, L2 no room yet), fetching, or
-    done (nothing to fetch)."""
+    """One request's prefetch, from its arrival to its admission: querying, deferred (L3 has the
+    pages, L2 no room yet), fetching, held (what it fetched is in the tree, pinned on L2 until the
+    request is admitted) or done (nothing to fetch: L3 lacks the pages, or L1 + L2 held them when
+    asked)."""
 
     __slots__ = ("rid", "namespace", "tokens", "start", "keys", "ticket", "phase", "host_slots", "started",
-                 "landed", "finished", "hits")
+                 "landed", "finished", "hits", "got", "held", "released", "requeried", "seen")
 
-    def __init__(self, rid: str, namespace: str, tokens: list[int], start: int, keys: list[str], ticket: int):
+    def __init__(self, rid: str, namespace: str, tokens: list[int], start: int, keys: list[str],
+                 ticket: int | None, seen: int):
         self.rid, self.namespace, self.tokens, self.start, self.keys = rid, namespace, tokens, start, keys
-        self.ticket, self.phase, self.started = ticket, "query", time.monotonic()
+        self.ticket, self.started = ticket, time.monotonic()
+        self.phase = "query" if ticket is not None else "done"
         self.host_slots: torch.Tensor | None = None  # [len(keys) * page_size] int64: reserved L2 pages (fetch)
         self.landed = 0  # pages, once the fetch has finished
         self.finished = False
         self.hits = 0  # leading pages of `keys` that L3 holds (the query's answer)
+        self.got = StorageRange()  # what the committed fetch put into the tree
+        self.held: tuple[tuple[TreeNode, int], ...] = ()  # (node, tokens) pinned until admission
+        self.released = False  # `ready()` has let the request go once
+        self.requeried = False  # L3 was asked again after the cached prefix shrank
+        self.seen = seen  # the tree's deletion count when the cached prefix was last measured
 
+    def settled(self) -> bool:
+        """Nothing in flight: `ready()` answers at once."""
+        return self.phase in ("done", "held")
 
-class BackupJob(NamedTuple):
-    """One queued L3 write: its nodes, each with its token count, and its page count."""
-
-    pieces: tuple[tuple[TreeNode, int], ...]
-    pages: int
+    def held_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.held)
 
 
 class StorageRange(NamedTuple):

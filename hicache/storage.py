@@ -8,22 +8,24 @@ beats the measured prefill rate for those tokens (`hicache/decide.py`); otherwis
 recomputes them (`prefetch_recompute_chosen`). When the scheduler considers the request, `ready()`
 applies the prefetch policy (`best_effort`: use what has landed; `wait_complete`: wait for the
 fetch to end; `timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages
-that landed as host-only tree nodes (`RadixTree.insert_host`); the request then loads them back
-like any L2 hit. Pages the fetch still writes stay reserved until its result comes back, then are
-freed. An abort revokes the prefetch and frees its pages the same way. When L2 has no room for a
-fetch yet, it is deferred and retried (oldest first) as room appears; a deferred prefetch keeps its
-request waiting at most the timeout allowance, whatever the policy, then gives up.
+that landed as a host-only tree leaf (`RadixTree.insert_host`), pinned on L2 until the request is
+admitted (`admitted`), which loads them back like any L2 hit. A request that waits long may see L2
+evict the prefix it had on arrival: `ready()` then asks L3 again, once (`prefetch_requeries`).
+Pages the fetch still writes stay reserved until its result comes back, then are freed. An abort
+revokes the prefetch and frees its pages the same way. When L2 has no room for a fetch yet, it is
+deferred and retried (oldest first) as room appears; a deferred prefetch keeps its request waiting
+at most the timeout allowance, whatever the policy, then gives up.
 
-Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3; the nodes' host pages
-stay pinned until the write is done; the worker skips keys L3 already holds. A backup still
-queued never holds L2 hostage: when L2 is short of room, `revoke_backups` withdraws queued backups,
-oldest first, and unpins their pages so that eviction may take them (counted,
-`backup_revoked_tokens`). Page keys are cached
-on the tree nodes (`TreeNode.page_keys`, chained from the parent's last key), so a backup hashes
-only pages never hashed before, and a prefetch only the pages beyond the cached prefix. Past
-`backup_queue_pages` pages in flight, further backups are dropped and counted.
+Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3 (`hicache/backups.py`);
+the nodes' host pages stay pinned until the write is done; the worker skips keys L3 already holds.
+A backup still queued never holds L2 hostage: when L2 is short of room, `backups.revoke` withdraws
+queued backups, oldest first, and unpins their pages so that eviction may take them (counted,
+`backup_revoked_tokens`). Past `backup_queue_pages` pages in flight, further backups are dropped
+and counted. Page keys are cached on the tree nodes (`TreeNode.page_keys`, chained from the
+parent's last key), so a backup hashes only pages never hashed before, and a prefetch only the
+pages beyond the cached prefix.
 
-The options and the per-prefetch and per-backup records are in `hicache/prefetch.py`.
+The options and the per-prefetch records are in `hicache/prefetch.py`.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ from typing import Callable
 
 import torch
 
+from hicache.backups import BackupQueue
 from hicache.decide import LoadDecider
 from hicache.pagekey import chain_keys, salted_seed
-from hicache.prefetch import BackupJob, PrefetchOp, StorageOptions, StorageRange
+from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
 
@@ -61,9 +64,8 @@ class StorageController:
         self._by_rid: dict[str, PrefetchOp] = {}
         self._by_ticket: dict[int, PrefetchOp] = {}  # queries and fetches in flight
         self._draining: dict[int, torch.Tensor] = {}  # fetch ticket -> its uncommitted pages, freed on its result
-        self._backups: dict[int, BackupJob] = {}
-        self._backup_pages = 0
         self.counters = collections.Counter()
+        self.backups = BackupQueue(engine, self.page_size, options.backup_queue_pages, self.counters)
 
     def seed(self, namespace: str) -> bytes:
         s = self._seeds.get(namespace)
@@ -77,16 +79,17 @@ class StorageController:
         """On arrival: query L3 for the pages of `token_ids` beyond the L1 + L2 match."""
         ps = self.page_size
         end = len(token_ids) // ps * ps
-        m = self.tree.match(token_ids[:end], namespace, whole=True)
-        start = m.device_slots.numel() + m.host_hit_tokens
-        if end - start < max(self.options.prefetch_threshold, ps):
-            return
         tokens = list(token_ids[:end])
-        keys = self._keys_after(m.last_host_node, tokens[start:])
-        op = PrefetchOp(rid, namespace, tokens, start, keys, self.engine.query(keys))
-        self._by_rid[rid] = op
-        self._by_ticket[op.ticket] = op
-        self.counters["prefetch_queries"] += 1
+        m = self.tree.match(tokens, namespace, whole=True)
+        start = m.device_slots.numel() + m.host_hit_tokens
+        ticket, keys = None, []
+        if end - start >= self._min_tokens():
+            keys = self._keys_after(m.last_host_node, tokens[start:])
+            ticket = self.engine.query(keys)
+            self.counters["prefetch_queries"] += 1
+        op = self._by_rid[rid] = PrefetchOp(rid, namespace, tokens, start, keys, ticket, self.tree.deletions)
+        if ticket is not None:
+            self._by_ticket[ticket] = op
 
     def _keys_after(self, node: TreeNode, tokens: list[int]) -> list[str]:
         """Keys of the pages of `tokens`, which follow the prefix that ends with `node` (a match's
@@ -96,26 +99,56 @@ class StorageController:
 
     def ready(self, rid: str) -> StorageRange | None:
         """Whether the request may be scheduled now (None: keep it waiting). Commits what its
-        prefetch fetched and returns the prompt tokens that came from L3."""
+        prefetch fetched and returns the prompt tokens that came from L3 (pinned on L2 until
+        `admitted`). A request whose cached prefix has shrunk since L3 was asked (L2 evicted it
+        while the request waited) asks L3 again, once."""
         op = self._by_rid.get(rid)
         if op is None:
             return StorageRange()
-        complete = op.phase == "done" or op.finished
-        if not complete and not self._may_stop(op):
+        if op.phase == "done" and self._requery(op):
             return None
-        del self._by_rid[rid]
+        if not op.settled() and not op.finished and not self._may_stop(op):
+            return None
+        op.released = True
         if op.phase == "query":
             self._by_ticket.pop(op.ticket, None)  # its answer, when it comes, is ignored
             self.counters["prefetch_revoked"] += 1
-            return StorageRange()
-        if op.phase == "deferred":
+        elif op.phase == "deferred":
             self.counters["prefetch_host_full"] += 1
-            return StorageRange()
-        if op.phase == "done":
-            return StorageRange()
-        if not op.finished:
-            self.counters["prefetch_cut_short"] += 1
-        return self._commit(op)
+        elif op.phase == "fetch":
+            if not op.finished:
+                self.counters["prefetch_cut_short"] += 1
+            self._commit(op)
+        if not op.settled():
+            op.phase = "done"
+        return op.got
+
+    def _requery(self, op: PrefetchOp) -> bool:
+        """Queries L3 again for a settled `op` whose cached prefix now ends before `op.start`
+        (measured only when the tree has deleted nodes since it was last measured)."""
+        if op.requeried or op.seen == self.tree.deletions:
+            return False
+        op.seen = self.tree.deletions
+        if sum(len(n.key) for n in self.tree.path(op.tokens, op.namespace)) >= op.start:
+            return False
+        del self._by_rid[op.rid]
+        self.prefetch(op.rid, op.tokens, op.namespace)
+        again = self._by_rid[op.rid]
+        again.requeried = True
+        self.counters["prefetch_requeries"] += 1
+        return not again.settled()
+
+    def admitted(self, rid: str) -> None:
+        """The request took its cached prefix into L1: its prefetch record goes, with its pins."""
+        op = self._by_rid.get(rid)
+        if op is not None and op.settled():
+            del self._by_rid[rid]
+            self._unpin_held(op)
+
+    def _unpin_held(self, op: PrefetchOp) -> None:
+        for node in nodes_covering(op.held):
+            node.host_pin -= 1
+        op.held = ()
 
     def _may_stop(self, op: PrefetchOp) -> bool:
         policy = self.options.policy
@@ -125,7 +158,9 @@ class StorageController:
             return False
         return time.monotonic() - op.started > self.options.timeout(len(op.keys) * self.page_size)
 
-    def _commit(self, op: PrefetchOp) -> StorageRange:
+    def _commit(self, op: PrefetchOp) -> None:
+        """Inserts the pages `op` fetched into the tree as a host-only leaf, pinned (`op.held`)
+        until the request is admitted; frees the rest."""
         ps = self.page_size
         landed = op.landed if op.finished else self.engine.progress(op.ticket)
         if not op.finished:
@@ -136,19 +171,24 @@ class StorageController:
             self.tree.host_allocator.free(op.host_slots[landed * ps:])
         end = op.start + landed * ps
         if landed == 0:
-            return StorageRange()
+            return
         kept = self.tree.insert_host(op.tokens[:end], op.host_slots[:landed * ps], op.start, op.namespace)
         self.tree.host_allocator.free(op.host_slots[:kept])
         if kept == end - op.start:
             self.counters["prefetch_discarded_tokens"] += kept
-            return StorageRange()
+            return
         self.counters["prefetch_committed_tokens"] += end - op.start - kept
-        return StorageRange(op.start + kept, end)
+        leaf = self.tree.path(op.tokens[:end], op.namespace)[-1]
+        leaf.host_pin += 1
+        op.got, op.held, op.phase = StorageRange(op.start + kept, end), ((leaf, len(leaf.key)),), "held"
 
     def revoke(self, rid: str) -> None:
         """The request is gone (aborted): stop its prefetch and free its pages."""
         op = self._by_rid.pop(rid, None)
         if op is None:
+            return
+        self._unpin_held(op)
+        if op.settled():
             return
         self.counters["prefetch_revoked"] += 1
         self._by_ticket.pop(op.ticket, None)
@@ -207,39 +247,7 @@ class StorageController:
 
     def backup(self, nodes: list[TreeNode]) -> None:
         """Queues the L2 copies of `nodes` (just written from L1) for L3, pinning them."""
-        nodes = [n for n in nodes if n.host_slots is not None and n.parent is not None]
-        pages = sum(len(n.key) for n in nodes) // self.page_size
-        if not pages:
-            return
-        if self._backup_pages + pages > self.options.backup_queue_pages:
-            self.counters["backup_dropped_tokens"] += pages * self.page_size
-            return
-        keys = [k for n in nodes for k in self._node_keys(n)]
-        slots = torch.cat([n.host_slots for n in nodes])
-        for n in nodes:
-            n.host_pin += 1
-        self._backups[self.engine.backup(keys, slots)] = BackupJob(tuple((n, len(n.key)) for n in nodes), pages)
-        self._backup_pages += pages
-
-    def revoke_backups(self, tokens: int) -> int:
-        """Withdraws backups that have not started, oldest first, until their pages cover
-        `tokens`, unpinning their nodes; returns the tokens unpinned."""
-        freed = 0
-        for ticket in list(self._backups):
-            if freed >= tokens:
-                break
-            if not self.engine.revoke(ticket):
-                continue
-            b = self._backups.pop(ticket)
-            self._unpin(b)
-            freed += b.pages * self.page_size
-            self.counters["backup_revoked_tokens"] += b.pages * self.page_size
-        return freed
-
-    def _unpin(self, b: BackupJob) -> None:
-        self._backup_pages -= b.pages
-        for node in nodes_covering(b.pieces):
-            node.host_pin -= 1
+        self.backups.add([n for n in nodes if n.host_slots is not None and n.parent is not None], self._node_keys)
 
     def _node_keys(self, node: TreeNode) -> list[str]:
         """The L3 keys of an attached node's pages, cached on it (`TreeNode.page_keys`): each node
@@ -263,7 +271,7 @@ class StorageController:
         """Folds in finished L3 operations. Never blocks."""
         for res in self.engine.poll():
             if res.kind == "backup":
-                self._on_backup(res)
+                self.backups.done(res)
             elif res.ticket in self._draining:
                 self.tree.host_allocator.free(self._draining.pop(res.ticket))
                 self._count_fetch(res)
@@ -287,21 +295,8 @@ class StorageController:
         if not res.ok and res.error != "cancelled":
             c["prefetch_failed"] += 1
 
-    def _on_backup(self, res: StorageResult) -> None:
-        b = self._backups.pop(res.ticket, None)
-        if b is None:  # revoked: unpinned and counted then
-            return
-        self._unpin(b)
-        c = self.counters
-        c["backed_up_tokens"] += res.pages * self.page_size
-        c["backed_up_bytes"] += res.nbytes
-        c["backup_seconds"] += res.seconds
-        c["backup_skipped_tokens"] += res.skipped * self.page_size
-        if not res.ok:
-            c["backup_failed_tokens"] += b.pages * self.page_size
-
     def busy(self) -> bool:
-        return bool(self._by_ticket or self._draining or self._backups)
+        return bool(self._by_ticket or self._draining or self.backups)
 
     def wait(self, timeout: float) -> None:
         """Blocks until an L3 operation finishes (or `timeout`): for a scheduler with nothing to
@@ -343,7 +338,8 @@ class StorageController:
         return sum(len(op.keys) for op in self._by_ticket.values() if op.phase == "fetch") * self.page_size
 
     def _held_host_tokens(self) -> int:
-        return int(self.held_host_slots().numel())
+        """L2 tokens prefetches hold: reserved by fetches, or committed and pinned until admission."""
+        return int(self.held_host_slots().numel()) + sum(op.held_tokens() for op in self._by_rid.values())
 
     def held_host_slots(self) -> torch.Tensor:
         """L2 slots held outside the tree: reserved by fetches not yet committed or freed."""
@@ -352,18 +348,20 @@ class StorageController:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def pins(self) -> collections.Counter:
-        pins: collections.Counter = collections.Counter()
-        for b in self._backups.values():
-            pins.update(nodes_covering(b.pieces))
+        pins = self.backups.pins()
+        for op in self._by_rid.values():
+            pins.update(nodes_covering(op.held))
         return pins
 
     def waiting(self) -> int:
-        return len(self._by_rid)
+        """Prefetches with an L3 operation to come (queried, deferred or fetching)."""
+        return sum(not op.settled() for op in self._by_rid.values())
 
     def releasable(self) -> bool:
-        """Whether `ready()` would now let some waiting request be scheduled: its prefetch has
-        landed, found nothing to fetch, or ran out of the policy's time."""
-        return any(op.phase == "done" or op.finished or self._may_stop(op) for op in self._by_rid.values())
+        """Whether `ready()` would now let go a waiting request it has not let go yet: its prefetch
+        has landed, found nothing to fetch, or ran out of the policy's time."""
+        return any(not op.released and (op.settled() or op.finished or self._may_stop(op))
+                   for op in self._by_rid.values())
 
     def stats(self) -> dict:
         self.poll()  # an idle scheduler does not step: fold in what finished since
@@ -378,7 +376,7 @@ class StorageController:
                "used_tokens": tokens(engine.get("used_bytes", 0)),
                "capacity_tokens": tokens(engine.get("capacity_bytes", 0)),
                "evicted_tokens": engine.get("evicted_pages", 0) * self.page_size,
-               "prefetching": len(self._by_rid), "backups_in_flight": len(self._backups),
+               "prefetching": self.waiting(), "backups_in_flight": len(self.backups),
                "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0),
                "stale_pages": engine.get("stale_pages", 0), **self.decider.stats("storage")}
         out.update({k: engine[k] for k in BACKEND_HEALTH if k in engine})  # why it may be degraded

@@ -295,6 +295,7 @@ class Scheduler(StepResults):
             req.kv_len = 0
             return 0
         self.waiting.remove(req)
+        self.cache.admitted(req.rid)
         self.running.append(req)
         self.queue_version += 1
         if req.cached_tokens is None:

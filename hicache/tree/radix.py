@@ -34,6 +34,7 @@ class RadixTree(Residency):
         self._clock = itertools.count(1)
         tiers = [a.capacity_tokens() for a in (allocator, host_allocator) if a is not None]
         self.use_clock = UseClock(max(tiers, default=0))  # what the eviction strategy reads besides the nodes
+        self.deletions = 0  # nodes deleted so far: a cached prefix can only have shrunk when this moved
         self._init_state()
 
     def _init_state(self) -> None:
@@ -265,6 +266,7 @@ class RadixTree(Residency):
         """Unlinks an unlocked leaf whose slots are already given back; returns its former parent."""
         parent = node.parent
         del parent.children[self._page(node.key)]
+        self.deletions += 1
         self._leaves.discard(node)
         self._device_leaves.discard(node)
         node.parent = None
@@ -351,6 +353,7 @@ class RadixTree(Residency):
             if node.host_slots is not None:
                 self.host_allocator.free(node.host_slots)
             node.parent = None
+        self.deletions += len(nodes)
         self._init_state()
 
     def nodes(self) -> Iterator[TreeNode]:
