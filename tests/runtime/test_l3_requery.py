@@ -9,11 +9,9 @@ import random
 from hicache.config import HiCacheConfig
 from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
-from hicache.runtime.messages import GenerateRequest
-from hicache.runtime.sampling import SamplingParams
+from test_hicache_l3 import GREEDY, drain, request, settle
 
 PAGE = 4
-GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}
 
 
 def scheduler(config_path, path=None, disable_radix_cache=False, **runtime):
@@ -29,27 +27,8 @@ def scheduler(config_path, path=None, disable_radix_cache=False, **runtime):
 
 def run(sched, prompts: dict[str, list[int]]) -> dict[str, list]:
     for rid, ids in prompts.items():
-        sched.add_request(GenerateRequest(rid, ids, SamplingParams.from_dict(dict(GREEDY), vocab_size=2**31)))
-    out: dict[str, list] = {}
-    for _ in range(5000):
-        if not sched.has_requests():
-            return out
-        for o in sched.step():
-            rec = out.setdefault(o.rid, [[], None])
-            rec[0] += o.new_token_ids
-            rec[1] = o.meta
-        sched.check_integrity()
-    raise AssertionError("the scheduler did not go idle")
-
-
-def settle(sched) -> None:
-    storage = sched.cache.storage
-    for _ in range(500):
-        if not storage.busy():
-            return
-        storage.wait(0.02)
-        storage.poll()
-    raise AssertionError("L3 operations still in flight")
+        sched.add_request(request(rid, ids, dict(GREEDY)))
+    return drain(sched)
 
 
 def test_a_prefix_evicted_from_l2_while_its_request_waited_is_fetched_from_l3(tiny_config_path, tmp_path):
