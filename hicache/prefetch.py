@@ -64,7 +64,7 @@ class PrefetchOp:
         self.hits = 0  # leading pages of `keys` that L3 holds (the query's answer)
         self.got = StorageRange()  # what the committed fetch put into the tree
         self.held: tuple[tuple[TreeNode, int], ...] = ()  # (node, tokens) pinned until admission
-        self.released = False  # `ready()` has let the request go once
+        self.released = ticket is None  # `ready()` has let it go, or it never waited (`releasable` skips it)
         self.requeried = False  # L3 was asked again after the cached prefix shrank
         self.seen = seen  # the tree's deletion count when the cached prefix was last measured
 
