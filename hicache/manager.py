@@ -310,14 +310,11 @@ class CacheManager:
         prefetch committed to the tree (empty without L3)."""
         return self.storage.ready(rid) if self.storage is not None else StorageRange()
 
-    def admitted(self, rid: str) -> None:
-        """The request was admitted: the L2 pages its prefetch committed need no pin any more."""
+    def dequeued(self, rid: str) -> None:
+        """The request left the waiting queue (admitted, aborted, or finished there): its L3
+        prefetch stops, or the L2 pages it committed need no pin any more."""
         if self.storage is not None:
-            self.storage.admitted(rid)
-
-    def revoke(self, rid: str) -> None:
-        if self.storage is not None:
-            self.storage.revoke(rid)
+            self.storage.dequeued(rid)
 
     def prefetch_grace(self, decoding: bool) -> None:
         if self.storage is not None:

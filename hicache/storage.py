@@ -8,13 +8,14 @@ beats the measured prefill rate for those tokens (`hicache/decide.py`); otherwis
 recomputes them (`prefetch_recompute_chosen`). When the scheduler considers the request, `ready()`
 applies the prefetch policy (`best_effort`: use what has landed; `wait_complete`: wait for the
 fetch to end; `timeout`: wait at most base + per-1k-token allowance, capped) and commits the pages
-that landed as a host-only tree leaf (`RadixTree.insert_host`), pinned on L2 until the request is
-admitted (`admitted`), which loads them back like any L2 hit. A request that waits long may see L2
-evict the prefix it had on arrival: `ready()` then asks L3 again, once (`prefetch_requeries`).
-Pages the fetch still writes stay reserved until its result comes back, then are freed. An abort
-revokes the prefetch and frees its pages the same way. When L2 has no room for a fetch yet, it is
-deferred and retried (oldest first) as room appears; a deferred prefetch keeps its request waiting
-at most the timeout allowance, whatever the policy, then gives up.
+that landed as a host-only tree leaf (`RadixTree.insert_host`), pinned on L2 until the request
+leaves the queue (`dequeued`; once admitted it loads them back like any L2 hit). A request that
+waits long may see L2 evict the prefix it had on arrival: `ready()` then asks L3 again, once
+(`prefetch_requeries`). Pages the fetch still writes stay reserved until its result comes back,
+then are freed. An abort stops the prefetch (`dequeued` too) and frees its pages the same way. When
+L2 has no room for a fetch yet, it is deferred and retried (oldest first) as room appears; a
+deferred prefetch keeps its request waiting at most the timeout allowance, whatever the policy,
+then gives up.
 
 Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3 (`hicache/backups.py`);
 the nodes' host pages stay pinned until the write is done; the worker skips keys L3 already holds.
@@ -100,7 +101,7 @@ class StorageController:
     def ready(self, rid: str) -> StorageRange | None:
         """Whether the request may be scheduled now (None: keep it waiting). Commits what its
         prefetch fetched and returns the prompt tokens that came from L3 (pinned on L2 until
-        `admitted`). A request whose cached prefix has shrunk since L3 was asked (L2 evicted it
+        `dequeued`). A request whose cached prefix has shrunk since L3 was asked (L2 evicted it
         while the request waited) asks L3 again, once."""
         op = self._by_rid.get(rid)
         if op is None:
@@ -138,18 +139,6 @@ class StorageController:
         self.counters["prefetch_requeries"] += 1
         return not again.settled()
 
-    def admitted(self, rid: str) -> None:
-        """The request took its cached prefix into L1: its prefetch record goes, with its pins."""
-        op = self._by_rid.get(rid)
-        if op is not None and op.settled():
-            del self._by_rid[rid]
-            self._unpin_held(op)
-
-    def _unpin_held(self, op: PrefetchOp) -> None:
-        for node in nodes_covering(op.held):
-            node.host_pin -= 1
-        op.held = ()
-
     def _may_stop(self, op: PrefetchOp) -> bool:
         policy = self.options.policy
         if policy == "best_effort":
@@ -182,12 +171,15 @@ class StorageController:
         leaf.host_pin += 1
         op.got, op.held, op.phase = StorageRange(op.start + kept, end), ((leaf, len(leaf.key)),), "held"
 
-    def revoke(self, rid: str) -> None:
-        """The request is gone (aborted): stop its prefetch and free its pages."""
+    def dequeued(self, rid: str) -> None:
+        """The request left the waiting queue (admitted, aborted, or finished there): its prefetch
+        record goes. Pages it committed are unpinned; a prefetch still in flight is stopped
+        (`prefetch_revoked`) and its pages freed."""
         op = self._by_rid.pop(rid, None)
         if op is None:
             return
-        self._unpin_held(op)
+        for node in nodes_covering(op.held):
+            node.host_pin -= 1
         if op.settled():
             return
         self.counters["prefetch_revoked"] += 1
@@ -323,7 +315,7 @@ class StorageController:
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Cancels every L3 operation, waits for them and folds them in (for flush)."""
         for op in list(self._by_rid.values()):
-            self.revoke(op.rid)
+            self.dequeued(op.rid)
         done = self.engine.quiesce(timeout)
         self.poll()
         return done and not self.busy()

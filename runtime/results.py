@@ -67,7 +67,7 @@ class StepResults:
         if reason is not None:
             self.waiting.remove(req)
             self.queue_version += 1
-            self.cache.revoke(req.rid)
+            self.cache.dequeued(req.rid)
             self.counters["requests_finished"] += 1
         if forced:
             self._emit(req, forced, reason, None)

@@ -118,7 +118,7 @@ class Scheduler(StepResults):
                 if req.rid == rid:
                     queue.remove(req)
                     self.queue_version += 1
-                    self.cache.revoke(rid)
+                    self.cache.dequeued(rid)
                     self._release(req)
                     self.counters["requests_aborted"] += 1
                     self._emit(req, [], {"type": "abort"}, None)
@@ -239,7 +239,7 @@ class Scheduler(StepResults):
                                                                               r.namespace).tokens)
         for req in look_at(self.waiting):  # its grammar did not compile
             self.waiting.remove(req)
-            self.cache.revoke(req.rid)
+            self.cache.dequeued(req.rid)
             self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
         for req in self.policy.order(self.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
@@ -295,7 +295,7 @@ class Scheduler(StepResults):
             req.kv_len = 0
             return 0
         self.waiting.remove(req)
-        self.cache.admitted(req.rid)
+        self.cache.dequeued(req.rid)
         self.running.append(req)
         self.queue_version += 1
         if req.cached_tokens is None:
