@@ -3,6 +3,9 @@ policy's own decisions are not what is tested): the queue state's changes, the p
 chunks and admissions, the decode planner's tokens, the output processor's finishes and outputs."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from hicache.prefetch import StorageRange
@@ -262,3 +265,27 @@ def test_output_processor_finishes_on_stop_and_length_and_emits_outputs():
     assert (e.kv_len, e.status) == (48, Status.PREFILL)
     assert counters["generation_tokens"] == 3 and counters["requests_finished"] == 2
     assert counters["prompt_tokens"] == 3 + 48 and counters["forward_steps"] == 1
+
+
+PARTS = Path(__file__).resolve().parents[2] / "runtime" / "scheduler"
+
+
+def test_the_overlap_loop_reads_only_public_names_of_the_queue_and_the_scheduler():
+    """Every private name the loop touches is its own (`self._...`)."""
+    tree = ast.parse((PARTS / "overlap.py").read_text())
+    reached = [f"overlap.py:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+               and not (isinstance(n.value, ast.Name) and n.value.id == "self")]
+    assert not reached, reached
+
+
+def test_the_parts_do_not_reach_back_into_the_scheduler():
+    """The planners, the output processor, the queue state and memory import neither the
+    `Scheduler` nor its package's front, and hold no reference to a scheduler."""
+    for name in ("queue.py", "prefill.py", "decode.py", "output.py", "memory.py"):
+        tree = ast.parse((PARTS / name).read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not modules & {"hicache.runtime.scheduler", "hicache.runtime.scheduler.scheduler"}, name
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & {"sched", "scheduler", "Scheduler"}, name
