@@ -11,12 +11,14 @@ class QueueState:
     """The requests waiting (in arrival order: a retracted request goes back to its arrival's
     place) and running (in admission order). `version` changes whenever either changes (arrival,
     admission, finish, abort, retraction); `early_releases` counts the running requests that gave
-    their slots back before finishing (retractions). The lists are read as tuples, a snapshot:
-    only these methods change them."""
+    their slots back before finishing (retractions). The lists are read as tuples, snapshots
+    kept until the next change (reading them costs no copy): only these methods change them."""
 
     def __init__(self):
         self._waiting: list[Req] = []
         self._running: list[Req] = []
+        self._waiting_view: tuple[Req, ...] | None = None
+        self._running_view: tuple[Req, ...] | None = None
         self._version = 0
         self._early_releases = 0
 
@@ -30,11 +32,19 @@ class QueueState:
 
     @property
     def waiting(self) -> tuple[Req, ...]:
-        return tuple(self._waiting)
+        if self._waiting_view is None:
+            self._waiting_view = tuple(self._waiting)
+        return self._waiting_view
 
     @property
     def running(self) -> tuple[Req, ...]:
-        return tuple(self._running)
+        if self._running_view is None:
+            self._running_view = tuple(self._running)
+        return self._running_view
+
+    def _changed(self) -> None:
+        self._waiting_view = self._running_view = None
+        self._version += 1
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
@@ -59,13 +69,13 @@ class QueueState:
     def add(self, req: Req) -> None:
         """An arrival: queued last."""
         self._waiting.append(req)
-        self._version += 1
+        self._changed()
 
     def admit(self, req: Req) -> None:
         """A waiting request starts running (it holds its prefix and first chunk's slots)."""
         self._waiting.remove(req)
         self._running.append(req)
-        self._version += 1
+        self._changed()
 
     def requeue(self, req: Req) -> None:
         """A running request retracted: back in the queue at its arrival's place."""
@@ -73,10 +83,10 @@ class QueueState:
         self._waiting.insert(0, req)
         self._waiting.sort(key=lambda r: r.arrival_seq)
         self._early_releases += 1
-        self._version += 1
+        self._changed()
 
     def remove(self, req: Req) -> None:
         """A waiting or running request leaves for good (finished, aborted): `Status.FINISHED`."""
         (self._running if req in self._running else self._waiting).remove(req)
         req.finished = True
-        self._version += 1
+        self._changed()
