@@ -314,7 +314,7 @@ def graph_replay(eng, batch: int) -> float:
 def set_overlap(eng, on: bool) -> None:
     """Switches overlap scheduling of an idle engine (reaches into the scheduler: between two
     `generate` calls nothing is in flight)."""
-    from hicache.runtime.overlap import OverlapLoop
+    from hicache.runtime.scheduler.overlap import OverlapLoop
 
     def switch():
         sched = eng.scheduler
@@ -424,7 +424,7 @@ def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048,
             conversation(eng, clients, 4, turn, torch.Generator().manual_seed(1000))
             eng.flush_cache()
             trace = profile if name == "L1+L2" else None
-            loop = eng.scheduler.overlap  # prefill steps launched ahead (runtime/overlap.py), if on
+            loop = eng.scheduler.overlap  # prefill steps launched ahead (runtime/scheduler/overlap.py), if on
             ahead = loop.ahead if loop is not None else 0
             out[name] = conversation(eng, clients, rounds, turn, torch.Generator().manual_seed(2), trace)
             out[name]["prefill_steps_ahead"] = (loop.ahead if loop is not None else 0) - ahead

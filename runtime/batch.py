@@ -42,6 +42,10 @@ class BatchPlan:
         self.extend_lens.append(n)
         self.sample.append(sample)
 
+    def past_prompt(self, i: int) -> bool:
+        """Whether chunk i starts past its request's prompt (a forced run, or a decode position)."""
+        return self.starts[i] >= len(self.reqs[i].input_ids)
+
     def kv_tokens(self) -> int:
         """KV tokens its requests hold once it has run (cached prefixes included)."""
         return sum(s + n for s, n in zip(self.starts, self.extend_lens))

@@ -7,7 +7,7 @@ batch's rows one after another inside a decode step. `BitmaskFiller` (the model 
 on a thread of its own (XGrammar's C++ releases the GIL), so that the scheduler thread goes on
 meanwhile: the runner starts the fill before the forward pass is queued (with overlap
 scheduling, a continuation's as soon as the matchers have accepted the previous step's tokens:
-`runtime/overlap.py`) and queues the sampling only when the next step needs it
+`runtime/scheduler/overlap.py`) and queues the sampling only when the next step needs it
 (`runtime/runner.py: PendingStep`), so that the fill overlaps the pass on the device and the
 host's results, outputs and planning. `runtime/constraint.py` applies the mask to the logits in
 the sampler, outside any CUDA graph.

@@ -8,21 +8,14 @@ requests sit out a prefill step while their prefix loads back.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.request import Req, Status
 
 # a request waits for another's prefill only to save at least this many tokens of its own
 SHARED_PREFILL_MIN = 64
 PREFILL_TOKENS_CUDA, PREFILL_TOKENS_CPU = 8192, 1024  # max_prefill_tokens's auto values
-
-if TYPE_CHECKING:
-    from hicache.runtime.request import Req
-
-
-def decodes(req: Req) -> bool:
-    """Whether the request's prompt is computed: its next step is a decode."""
-    return req.kv_len >= req.seq_len - 1
 
 
 class BudgetPolicy:
@@ -45,7 +38,7 @@ class BudgetPolicy:
         n = min(req.seq_len - (req.kv_len if start is None else start), budget)
         return min(n, self.chunk_size) if self.chunk_size > 0 else n
 
-    def order(self, waiting: list[Req], cached_tokens: Callable[[Req], int] | None) -> list[Req]:
+    def order(self, waiting: Sequence[Req], cached_tokens: Callable[[Req], int] | None) -> list[Req]:
         """Waiting requests in the order admission considers them: arrival (fcfs), or the longest
         cached prefix first (lpm; `cached_tokens` None when nothing is cached)."""
         if not self.order_by_match or cached_tokens is None:
@@ -61,27 +54,27 @@ class BudgetPolicy:
         request) would pass the step's share of L1."""
         return self.step_kv_cap is not None and planned_kv > 0 and planned_kv + req.seq_len > self.step_kv_cap
 
-    def decode_headroom(self, running: list[Req], launched: bool) -> int:
+    def decode_headroom(self, running: Sequence[Req], launched: bool) -> int:
         """L1 tokens an admission leaves free: a page for the next token of each decoding request
         (with a launched prefill step, all running requests decode next)."""
-        decoding = len(running) if launched else sum(1 for r in running if decodes(r))
+        decoding = len(running) if launched else sum(1 for r in running if r.phase is Status.DECODE)
         return self.page_size * decoding
 
-    def parks(self, req: Req, running: list[Req]) -> bool:
+    def parks(self, req: Req, running: Sequence[Req]) -> bool:
         """Whether `req`, whose prefix a load-back is still copying into L1, sits out the next step:
         while some running request decodes, the copy lands beside the decode steps
         (the copy engines take no SM from them) instead of holding a prefill step, and every
         decoding request with it, until its layers have arrived."""
-        return (self.decode_while_loading and req.lease.loading
-                and any(decodes(r) and not r.lease.loading for r in running if r is not req))
+        return (self.decode_while_loading and req.status is Status.LOADING
+                and any(r.status is Status.DECODE for r in running if r is not req))
 
-    def parked(self, running: list[Req], plan) -> bool:
+    def parked(self, running: Sequence[Req], plan) -> bool:
         """Whether a running request outside `plan` (a `BatchPlan` or None) sits out while its load
         lands: no forward pass paces that load's copies, so they go out whole."""
         planned = {id(r) for r in plan.reqs} if plan is not None else set()
         return any(self.parks(r, running) for r in running if id(r) not in planned)
 
-    def wait_for_launched(self, req: Req, matched: int, launched: list[Req]) -> bool:
+    def wait_for_launched(self, req: Req, matched: int, launched: Sequence[Req]) -> bool:
         """True when a request of a launched, unapplied step shares at least a page of `req`'s
         prompt past the `matched` tokens the tree holds: once that step is applied and the request
         finished, the tree may hold it, so `req` waits for it rather than computing it again."""
@@ -111,6 +104,6 @@ class BudgetPolicy:
         return lo * ps - matched
 
     @staticmethod
-    def victim(running: list[Req]) -> Req:
+    def victim(running: Sequence[Req]) -> Req:
         """The request retracted when L1 runs out: the latest arrival."""
         return max(running, key=lambda r: r.arrival_seq)

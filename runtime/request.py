@@ -1,5 +1,7 @@
-"""A request's state inside the scheduler."""
+"""A request's state inside the scheduler, and its status."""
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 
@@ -8,12 +10,26 @@ from hicache.runtime.grammar import RequestGrammar
 from hicache.runtime.sampling import SamplingParams
 
 
+class Status(Enum):
+    """Where a request stands (`Req.status`)."""
+
+    WAITING = "waiting"  # queued, holding no KV
+    PREFETCHING = "prefetching"  # queued; the L3 prefetch policy held it back when admission last looked
+    LOADING = "loading"  # running; a load-back of its cached prefix from L2 may still be in flight
+    PREFILL = "prefill"  # running; its next step computes tokens before its last (prompt, forced run)
+    DECODE = "decode"  # running; its next step computes its last token and samples the next
+    FINISHED = "finished"  # left the scheduler: finished or aborted
+
+
 class Req:
     """One generation request as the scheduler sees it.
 
     What it holds of the KV cache is its `lease` (`hicache.manager.Lease`: table row, slots, the
     tree's prefix). `kv_len` tokens of `all_ids` have their KV computed; the lease's slots may run
     past kv_len up to the end of the last allocated page.
+
+    Its `status` is derived, not stored: from `finished` and `prefetch_wait` (set by the
+    scheduler's parts), its lease (held, loading) and `kv_len` against `seq_len`.
     """
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, namespace: str,
@@ -44,6 +60,30 @@ class Req:
         self.cache_kv = True  # False: give the tree nothing of it when it finishes (the warm-up request)
         self.publish_prompt = False  # a waiting request shares its prompt: cache it once computed
         self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
+        self.finished = False  # it left the scheduler's queues (finished or aborted): `QueueState.remove`
+        self.prefetch_wait = False  # the L3 prefetch policy kept it waiting when admission last looked
+
+    @property
+    def status(self) -> Status:
+        if self.finished:
+            return Status.FINISHED
+        if not self.lease.held:
+            return Status.PREFETCHING if self.prefetch_wait else Status.WAITING
+        if self.lease.loading:
+            return Status.LOADING
+        return self.phase
+
+    @property
+    def phase(self) -> Status:
+        """What its next step computes, whether or not its prefix is still loading: `PREFILL`
+        (tokens before its last: a prompt chunk, a forced run, outputs recomputed after a
+        retraction) or `DECODE` (its last token, sampling the next)."""
+        return Status.DECODE if self.kv_len >= self.seq_len - 1 else Status.PREFILL
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens whose KV is not computed yet."""
+        return max(0, len(self.input_ids) - self.kv_len)
 
     @property
     def all_ids(self) -> list[int]:
@@ -88,7 +128,8 @@ class Req:
         return self.lease.row
 
     def __repr__(self) -> str:
-        return f"Req({self.rid!r}, prompt={len(self.input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"
+        return (f"Req({self.rid!r}, prompt={len(self.input_ids)}, out={len(self.output_ids)}, kv={self.kv_len}, "
+                f"{self.status.value})")
 
 
 def check_logprob_start(start: int, prompt_len: int) -> None:

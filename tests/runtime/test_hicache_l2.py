@@ -364,7 +364,7 @@ def test_batch_run_on_a_load_that_then_fails_is_dropped_and_recomputed(tiny_conf
     assert plan.sample == [True]
     sched.process_result(plan, sched.runner.run(plan))  # ran on the failed load, then learnt of the failure
     sched.check_integrity()
-    assert not sched._outputs, "a token sampled over a failed load went out"
+    assert not sched.output.pending(), "a token sampled over a failed load went out"
     assert [r.rid for r in sched.waiting] == ["b0"] and sched.waiting[0].load_back_failed
     assert sched.waiting[0].output_ids == [] and sched.stats()["retractions"] == 1
     got = drain(sched)["b0"]

@@ -1,4 +1,4 @@
-"""Overlap scheduling (runtime/overlap.py) forced on, on CPU: the same outputs as without it.
+"""Overlap scheduling (runtime/scheduler/overlap.py) forced on, on CPU: the same outputs as without it.
 
 The tiny random 2-layer model drives the Scheduler directly with the same script of arrivals and
 aborts in both modes; integrity is checked after every step, and once idle no page is held (the

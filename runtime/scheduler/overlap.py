@@ -30,7 +30,7 @@ a step's results are applied one `step()` later:
   may give that page to the tree once applied. Otherwise the step drains.
   Its load-backs follow only the compute queued before t (`CacheManager.ordered_after` with t's
   fence), so they run while t computes, unless a running request gave its slots back since t was
-  launched (`Scheduler.early_releases`); the backups of t's results follow t, not the step queued
+  launched (`QueueState.early_releases`); the backups of t's results follow t, not the step queued
   after it. With an L2, a prefill step's requests hold at most `prefill_ahead_l1_share` of L1 past
   the first request (`BudgetPolicy.step_kv_cap`), so that the next step's loads find room while it
   runs (measured: benchmarks/RESULTS.md).
@@ -62,29 +62,32 @@ import torch
 from hicache.runtime.batch import BatchPlan
 from hicache.runtime.bitmask import PendingFill
 from hicache.runtime.pinned import tensor_to
+from hicache.runtime.request import Status
 from hicache.runtime.runner import PendingStep
 
 if TYPE_CHECKING:
-    from hicache.runtime.scheduler import Scheduler
+    from hicache.runtime.scheduler.scheduler import Scheduler
 
 
 class Launched(NamedTuple):
     plan: BatchPlan
     step: PendingStep
     fence: torch.cuda.Event | None  # the device work queued before the step (ModelRunner.fence)
-    early_releases: int  # Scheduler.early_releases at its launch
+    early_releases: int  # QueueState.early_releases at its launch
 
 
 class OverlapLoop:
-    """Owned by the scheduler; runs on its thread. It uses the scheduler's public surface:
-    `schedule`, `process_result`, `continue_decode`, `running`, `waiting`, `queue_version`,
-    `early_releases`, `runner` and `cache.ordered_after` / `cache.prefetches_ready`."""
+    """Owned by the scheduler; runs on its thread. It uses the scheduler's public surface
+    (`schedule`, `process_result`, `continue_decode`, `can_admit`, `grammars_compiling`,
+    `idle_wait`, `runner`, `jump`, and the cache's `ordered_after`, `collect`, `refresh`,
+    `prefetches_ready`) and the public methods of its `QueueState` (`sched.queue`)."""
 
     def __init__(self, sched: Scheduler, prefill_ahead: bool = True):
         self.sched = sched
+        self.queue = sched.queue
         self.prefill_ahead = prefill_ahead
         self.inflight: Launched | None = None  # launched, not applied
-        self._blocked_at: int | None = None  # queue_version when schedule() last left requests waiting
+        self._blocked_at: int | None = None  # queue.version when schedule() last left requests waiting
         self.continued = 0  # decode steps launched before the previous one was applied
         self.ahead = 0  # prefill steps launched before the previous one was applied
         self.filled_early = 0  # continuations whose bitmask began filling before prev's results were applied
@@ -92,7 +95,7 @@ class OverlapLoop:
     def step(self) -> None:
         prev, self.inflight = self.inflight, None
         s = self.sched
-        releases = s.early_releases
+        releases = self.queue.early_releases
         cont = self._continuation(prev) if prev is not None else None
         if prev is not None:  # its sampling, if it waited for a grammar's bitmask filled meanwhile
             prev.step.launch()
@@ -126,10 +129,11 @@ class OverlapLoop:
         """Plans as without overlap (prev's results are applied) and launches the plan."""
         s = self.sched
         plan = s.schedule()
-        self._blocked_at = s.queue_version if s.waiting and (plan is None or plan.mode == "decode") else None
+        blocked = self.queue.has_waiting() and (plan is None or plan.mode == "decode")
+        self._blocked_at = self.queue.version if blocked else None
         if plan is not None:
             fence = s.runner.fence()
-            self.inflight = Launched(plan, s.runner.launch(plan), fence, s.early_releases)
+            self.inflight = Launched(plan, s.runner.launch(plan), fence, self.queue.early_releases)
         elif prev is None:
             s.idle_wait()
 
@@ -151,12 +155,12 @@ class OverlapLoop:
         if plan.loads is not None or not all(plan.sample):
             return None  # loads None: no request of the plan waits on a load-back; a request that
             # did not sample jumped forward: its forced run is computed by an extend
-        if len(plan.reqs) != len(s.running) and len(plan.reqs) + self._loading() != len(s.running):
+        running = self.queue.running_count()
+        if len(plan.reqs) != running and len(plan.reqs) + self._loading() != running:
             return None  # another request runs: it computes its prompt next
-        if plan.mode != "decode" and not (plan.joined and all(start >= len(r.input_ids)
-                                                              for r, start in zip(plan.reqs, plan.starts))):
+        if plan.mode != "decode" and not (plan.joined and all(map(plan.past_prompt, range(len(plan.reqs))))):
             return None  # a prefill step; an extend of forced runs and decoding requests continues
-        if s.waiting and s.policy.admits_more(len(s.running)) and not self._still_blocked():
+        if s.can_admit() and not self._still_blocked():
             return None  # admission may change the batch
         return s.continue_decode(plan)
 
@@ -166,17 +170,17 @@ class OverlapLoop:
         waits for no load, holds none of them)."""
         s = self.sched
         s.cache.collect()
-        parked = [r for r in s.running if r.lease.loading]
+        parked = self.queue.running_in(Status.LOADING)
         for r in parked:
             s.cache.refresh(r.lease)
-        return sum(r.lease.loading for r in parked)
+        return sum(r.status is Status.LOADING for r in parked)
 
     def _still_blocked(self) -> bool:
         """Nothing could be admitted at the last schedule() and nothing changed since (no arrival,
         admission, finish, abort or retraction, no L3 prefetch landed, no grammar compiling): decoding
         on delays no one."""
         s = self.sched
-        return self._blocked_at == s.queue_version and not s.cache.prefetches_ready() and not s.grammars_compiling()
+        return self._blocked_at == self.queue.version and not s.cache.prefetches_ready() and not s.grammars_compiling()
 
     def _apply(self, prev: Launched, cont: BatchPlan | None, fence: torch.cuda.Event | None) -> PendingFill | None:
         """Applies prev's results (their backups ordered after `fence`). With a continuation `cont`
@@ -200,7 +204,7 @@ class OverlapLoop:
         sample, their logits and their positions in `plan`. A request that jumped forward at that
         step (its grammar forced tokens after its token) does not sample: the position computed is
         its token's, and what follows is the forced run."""
-        running = {id(r) for r in self.sched.running}
+        running = {id(r) for r in self.queue.running}
         alive = [i for i, r in enumerate(plan.reqs) if id(r) in running]
         sample = [plan.starts[i] + 1 == plan.reqs[i].seq_len for i in alive]
         if len(alive) == len(plan.reqs) and all(sample):
@@ -220,15 +224,15 @@ class OverlapLoop:
         applied; it samples after them (a sampler that syncs then waits for its own pass only,
         not `prev`'s outputs). None when a request outside `prev` runs, or nothing was planned."""
         s, plan = self.sched, prev.plan
-        if not self.prefill_ahead or plan.mode != "extend" or (all(plan.sample) and not s.waiting):
+        if not self.prefill_ahead or plan.mode != "extend" or (all(plan.sample) and not self.queue.has_waiting()):
             return None
         launched = {id(r) for r in plan.reqs}
-        if any(id(r) not in launched for r in s.running):
+        if any(id(r) not in launched for r in self.queue.running):
             return None
         # Its loads may start while `prev` runs: their slots come from the free pool and the tree,
         # which held none of prev's slots at its launch unless a running request gave its slots
         # back since; then they wait for prev, as any copy does.
-        with s.cache.ordered_after(prev.fence if s.early_releases == prev.early_releases else None):
+        with s.cache.ordered_after(prev.fence if self.queue.early_releases == prev.early_releases else None):
             return s.schedule(after=plan)
 
 

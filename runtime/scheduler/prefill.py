@@ -1,0 +1,154 @@
+"""`PrefillPlanner`: a prefill (extend) step: running requests' next chunks, then admissions.
+
+Admission of a waiting request, in the policy's order: its grammar compiled, its L3 prefetch let
+it go (`CacheManager.prefetch_ready`), no running request computing most of its prompt
+(`BudgetPolicy.prefill_leaders`), then its cached prefix matched, locked and loaded back where it
+is on L2 (`CacheManager.admit`), and the slots of its first chunk taken (`CacheManager.grow`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.runtime.batch import BatchPlan
+from hicache.runtime.grammar import look_at
+from hicache.runtime.request import Status
+
+if TYPE_CHECKING:
+    from hicache.manager import CacheManager
+    from hicache.runtime.counters import Counters
+    from hicache.runtime.policy import BudgetPolicy
+    from hicache.runtime.request import Req
+    from hicache.runtime.scheduler.decode import DecodePlanner
+    from hicache.runtime.scheduler.memory import Memory
+    from hicache.runtime.scheduler.output import OutputProcessor
+    from hicache.runtime.scheduler.queue import QueueState
+
+
+class PrefillPlanner:
+    """`decode` adds the decoding requests to a step that computes a forced run (jump-forward);
+    `output` applies a jump-forward before a request's first token and emits the abort of a
+    request whose grammar failed to compile."""
+
+    def __init__(self, queue: QueueState, cache: CacheManager, policy: BudgetPolicy, memory: Memory,
+                 output: OutputProcessor, decode: DecodePlanner, counters: Counters):
+        self.queue, self.cache, self.policy, self.memory = queue, cache, policy, memory
+        self.output, self.decode, self.counters = output, decode, counters
+        self.page_size = cache.page_size
+
+    def plan(self, after: BatchPlan | None = None) -> BatchPlan | None:
+        """A prefill batch: running requests' next chunks (those in `Status.PREFILL`, by arrival),
+        then admissions in policy order. With `after` (launched, not applied), the running requests
+        are its own: their next chunks start where its chunks end, and memory comes from the free
+        pool and the tree only."""
+        if self.queue.has_waiting():
+            self.cache.prefetch_grace(decoding=any(r.phase is Status.DECODE for r in self.queue.running))
+        self.cache.set_prefill_backlog(sum(r.prompt_left for r in (*self.queue.waiting, *self.queue.running)))
+        plan = BatchPlan("extend", [], [], [], [])
+        budget = self.policy.max_prefill_tokens
+        if after is not None:
+            for req, start, n, sample in zip(after.reqs, after.starts, after.extend_lens, after.sample):
+                if sample or not req.holds_kv:  # (not holding: retracted in flight, its load failed)
+                    continue
+                added = self._add_chunk(plan, req, budget, start=start + n) if budget > 0 else 0
+                if added == 0:  # no budget, or no room without retracting: plan once `after` is applied
+                    return None
+                budget -= added
+        else:
+            budget = self._continue_running(plan, budget)
+            if any(r.grammar is not None and plan.past_prompt(i) for i, r in enumerate(plan.reqs)):
+                self.decode.plan(plan)  # a forced run (jump-forward) is computed with the decoding requests
+        self._admit_waiting(plan, budget, after)
+        return plan if plan.reqs else None
+
+    def _continue_running(self, plan: BatchPlan, budget: int) -> int:
+        """The next chunks of the running requests in `Status.PREFILL`; returns the budget left."""
+        for req in self.queue.running_by_arrival():
+            if self.queue.is_running(req) and req.phase is Status.PREFILL:
+                self.cache.refresh(req.lease)
+                if not self.policy.parks(req, self.queue.running):
+                    budget -= self._add_chunk(plan, req, budget)
+        return budget
+
+    def _admit_waiting(self, plan: BatchPlan, budget: int, after: BatchPlan | None) -> None:
+        ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
+        cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:r.prefix_limit],
+                                                                              r.namespace).tokens)
+        for req in look_at(self.queue.waiting):  # its grammar did not compile
+            self.queue.remove(req)
+            self.cache.dequeued(req.rid)
+            self.output.reject(req.rid, req.grammar.error)
+        for req in self.policy.order(self.queue.waiting, cached):
+            if budget <= 0 or not self.policy.admits_more(self.queue.running_count()) or id(req) in ahead:
+                break  # (one retracted from the launched step waits until that step is applied)
+            if self.policy.over_step_cap(plan.kv_tokens(), req):
+                break  # L1 left for the next step's load-backs (runtime/scheduler/overlap.py)
+            if req.grammar is not None and not req.grammar.seen_ready:
+                continue  # its grammar is compiling
+            got = self.cache.prefetch_ready(req.rid)
+            req.prefetch_wait = got is None
+            if got is None:
+                continue  # the prefetch policy keeps it waiting for its L3 pages
+            if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
+                req.storage_range = (got.start, got.end)
+            if not req.output_ids and self.output.jump_first(req):
+                continue  # the forced text alone reached a stop or the length limit
+            if self._waits_for_prefill(req, cached):
+                continue  # a running request is computing most of its prompt: it finds it cached next
+            n = self._admit(req, budget, after)
+            if n == 0:
+                break
+            self.cache.refresh(req.lease)
+            if after is None and self.policy.parks(req, self.queue.running):
+                continue  # its first chunk runs once its load has landed
+            budget -= n
+            self._add_chunk(plan, req, n, allocated=True)
+
+    def _waits_for_prefill(self, req: Req, cached) -> bool:
+        """Whether `req` waits for running requests computing a prompt it mostly shares; they are
+        marked to publish their prompts once computed."""
+        prefilling = [r for r in self.queue.running if r.prompt_left and r.cache_kv]
+        leaders = self.policy.prefill_leaders(req, cached(req), prefilling) if prefilling and cached else []
+        for r in leaders:
+            r.publish_prompt = True
+        return bool(leaders)
+
+    def _admit(self, req: Req, budget: int, after: BatchPlan | None = None) -> int:
+        """Admits `req` with its cached prefix (loaded back from L2 where needed) and the slots of
+        its first chunk. Returns the chunk length, or 0 (nothing held) when memory is short, or
+        when a request of the launched step `after` may give the tree more of this prompt."""
+        match = self.cache.match(req.all_ids[:req.prefix_limit], req.namespace)
+        if after is not None and self.policy.wait_for_launched(req, match.tokens, after.reqs):
+            return 0
+        headroom = self.policy.decode_headroom(self.queue.running, launched=after is not None)
+        first = self.policy.chunk_len(req, budget, start=match.tokens)
+        room = -(-first // self.page_size) * self.page_size + headroom
+        got = self.cache.admit(req.lease, match, room, load=not req.load_back_failed)
+        if got is None:
+            return 0
+        req.kv_len = got.prefix
+        n = self.policy.chunk_len(req, budget)
+        if not self.cache.grow(req.lease, got.prefix + n, headroom):
+            self.cache.drop(req.lease)
+            req.kv_len = 0
+            return 0
+        self.queue.admit(req)
+        self.cache.dequeued(req.rid)
+        if req.cached_tokens is None:
+            self.counters.count_cached(req, got.prefix, got.loaded)
+        return n
+
+    def _add_chunk(self, plan: BatchPlan, req: Req, budget: int, allocated: bool = False,
+                   start: int | None = None) -> int:
+        """The request's next chunk, from `kv_len` (or `start`: where a launched, unapplied
+        chunk ends; then memory is taken without retracting anyone)."""
+        n = self.policy.chunk_len(req, budget, start)
+        if n <= 0:
+            return 0
+        if start is None:
+            if not (allocated or self.memory.make_room(req, req.kv_len + n)):
+                return 0
+            start = req.kv_len
+        elif not self.cache.grow(req.lease, start + n):
+            return 0
+        plan.add(req, start, n, start + n == req.seq_len)
+        return n
