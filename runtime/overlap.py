@@ -165,10 +165,8 @@ class OverlapLoop:
         still in flight (one whose load has landed joins the next step; the launched step, which
         waits for no load, holds none of them)."""
         s = self.sched
-        s.cache.collect()
         parked = [r for r in s.running if r.lease.loading]
-        for r in parked:
-            s.cache.refresh(r.lease)
+        s.cache.collect([r.lease for r in parked])
         return sum(r.lease.loading for r in parked)
 
     def _still_blocked(self) -> bool:

@@ -37,7 +37,7 @@ class StepResults:
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
-            self.cache.trim_window(req.lease, req.kv_len)
+            self.cache.advance(req.lease, req.kv_len)
             if plan.mode == "extend" and not (plan.joined and plan.starts[i] >= len(req.input_ids)):
                 self.counters["prompt_tokens"] += plan.extend_lens[i]
                 if req.publish_prompt and req.kv_len >= len(req.input_ids):
@@ -67,7 +67,7 @@ class StepResults:
         if reason is not None:
             self.waiting.remove(req)
             self.queue_version += 1
-            self.cache.dequeued(req.rid)
+            self.cache.dequeued(req.lease)
             self.counters["requests_finished"] += 1
         if forced:
             self._emit(req, forced, reason, None)

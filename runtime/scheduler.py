@@ -91,7 +91,7 @@ class Scheduler(StepResults):
         if params.grammar is not None:
             req.grammar = self.grammars.start(*params.grammar)
         self._enqueue(req)  # max_new_tokens 0 too: its prompt is computed (log-probs) and cached
-        self.cache.prefetch(req.rid, req.all_ids[:-1], req.namespace)
+        self.cache.prefetch(req.lease, req.all_ids[:-1])
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
         """Runs one greedy request (a prefill, then decode steps) before serving, so that the
@@ -118,7 +118,7 @@ class Scheduler(StepResults):
                 if req.rid == rid:
                     queue.remove(req)
                     self.queue_version += 1
-                    self.cache.dequeued(rid)
+                    self.cache.dequeued(req.lease)
                     self._release(req)
                     self.counters["requests_aborted"] += 1
                     self._emit(req, [], {"type": "abort"}, None)
@@ -187,10 +187,12 @@ class Scheduler(StepResults):
         else:
             self.poll_transfers()
             plan = self._schedule_prefill() or self._schedule_decode()
-        if plan is not None:  # load-backs in flight: each layer's attention waits for its own layer, on
-            # the device; process_result settles them before any token goes out
-            plan.loads = self.cache.load_handle([r.lease for r in plan.reqs])
-        self.cache.start_loads(whole=after is None and self.policy.parked(self.running, plan))
+        # load-backs in flight: each layer's attention waits for its own layer, on the device;
+        # process_result settles them before any token goes out
+        loads = self.cache.start_loads([r.lease for r in plan.reqs] if plan is not None else [],
+                                       whole=after is None and self.policy.parked(self.running, plan))
+        if plan is not None:
+            plan.loads = loads
         if plan is not None and plan.loads is not None:
             plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
                                if r.lease.loading and s and r.generator is not None}
@@ -239,7 +241,7 @@ class Scheduler(StepResults):
                                                                               r.namespace).tokens)
         for req in look_at(self.waiting):  # its grammar did not compile
             self.waiting.remove(req)
-            self.cache.dequeued(req.rid)
+            self.cache.dequeued(req.lease)
             self._outputs.append(TokenOutput(req.rid, [], {"type": "abort"}, error=req.grammar.error))
         for req in self.policy.order(self.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(len(self.running)) or id(req) in ahead:
@@ -248,7 +250,7 @@ class Scheduler(StepResults):
                 break  # L1 left for the next step's load-backs (runtime/overlap.py)
             if req.grammar is not None and not req.grammar.seen_ready:
                 continue  # its grammar is compiling
-            got = self.cache.prefetch_ready(req.rid)
+            got = self.cache.prefetch_ready(req.lease)
             if got is None:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
             if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
@@ -295,7 +297,7 @@ class Scheduler(StepResults):
             req.kv_len = 0
             return 0
         self.waiting.remove(req)
-        self.cache.dequeued(req.rid)
+        self.cache.dequeued(req.lease)
         self.running.append(req)
         self.queue_version += 1
         if req.cached_tokens is None:
