@@ -1,9 +1,9 @@
-"""`CacheController`: the cache brain. It decides and executes moves of KV pages between L1 and L2
-over the radix tree, through the tier protocols only (no concrete tier, no CUDA).
+"""`CacheController`: the cache brain's host transfers. It decides and executes moves of KV pages
+between L1 and L2 over the radix tree, through the tier protocols only (no concrete tier, no CUDA).
 
-- match: the L1 part of a prefix plus its L2 continuation (`MatchResult.host_hit_tokens`).
-- load-back: all or nothing per request, at least `load_back_min_tokens`, into fresh L1 pages
-  (evicting L1 for them and for the room the caller asks to keep; `hicache/loadback.py`).
+- load-back of a match's L2 continuation (`MatchResult.host_hit_tokens`): all or nothing per
+  request, at least `load_back_min_tokens`, into fresh L1 pages (evicting L1 for them and for the
+  room the caller asks to keep).
 - write policy: `write_through` backs up new pages on insert, `write_through_selective` on their
   second insert, `write_back` only when L1 evicts them.
 - eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the

@@ -105,14 +105,18 @@ class LoadHandle:
 
 
 class CacheManager:
-    def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable,
+    def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable, decider: LoadDecider,
                  storage: StorageController | None = None, windows: WindowPolicy | None = None):
-        """`host`: the L1 <-> L2 transfers over `tree`; `storage`: L3 (None: off); `windows`: the
-        sliding-window policy (None: the model has no windowed layers)."""
+        """`host`: the L1 <-> L2 transfers over `tree`; `decider`: the load-or-recompute rates the
+        host transfers and L3 share; `storage`: L3 (None: off); `windows`: the sliding-window
+        policy (None: the model has no windowed layers)."""
         self.tree, self.host, self.req_table, self.storage, self.windows = tree, host, req_table, storage, windows
+        self.decider = decider
         self.allocator = tree.allocator
         self.page_size = tree.page_size
-        self.decider = host.decider
+        self.disabled = tree.disabled  # no radix cache: nothing is shared between requests
+        self.has_host_tier = host.host_pool is not None
+        self.capacity_tokens = tree.allocator.capacity_tokens()  # L1 tokens in all
 
     @classmethod
     def build(cls, tree: RadixTree, req_table: RequestTable, host_pool: HostPool | None = None,
@@ -131,20 +135,7 @@ class CacheManager:
         l3 = None if storage is None else StorageController(
             tree, storage.engine, keys, backups, storage.options, host.alloc_host, storage.backend,
             host_pool.bytes_per_token(), decider)
-        return cls(tree, host, req_table, l3, windows)
-
-    @property
-    def disabled(self) -> bool:
-        """No radix cache: nothing is shared between requests."""
-        return self.tree.disabled
-
-    @property
-    def has_host_tier(self) -> bool:
-        return self.host.host_pool is not None
-
-    def capacity_tokens(self) -> int:
-        """L1 tokens in all."""
-        return self.allocator.capacity_tokens()
+        return cls(tree, host, req_table, decider, l3, windows)
 
     # ---- admission -------------------------------------------------------------------------
 
