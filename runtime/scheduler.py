@@ -58,7 +58,7 @@ class Scheduler(StepResults):
         self.early_releases = 0
         overlap = rc.enable_overlap_schedule or (cuda and not rc.disable_overlap_schedule)
         prefill_ahead = overlap and not rc.disable_prefill_ahead
-        self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
+        self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens, prefill_ahead,
                                    self.cache.has_host_tier, cuda)
         self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
 
@@ -70,7 +70,7 @@ class Scheduler(StepResults):
         parsed the sampling parameters). Raises ValueError naming the bad field; returns the
         request's sampling parameters."""
         check_prompt(req.input_ids, req.sampling_params.max_new_tokens, self.model_config.vocab_size,
-                     self.context_length, self.cache.capacity_tokens())
+                     self.context_length, self.cache.capacity_tokens)
         check_logprob_start(req.logprob_start_len, len(req.input_ids))
         if req.sampling_params.grammar is not None and self.tokenizer is None:
             raise ValueError(f"{req.sampling_params.grammar[0]}: this model has no tokenizer to compile grammars for")
