@@ -1,14 +1,15 @@
-"""`BackupQueue`: the L3 writes of L2 pages that the storage controller has queued. Each write pins
+"""`BackupQueue`: the L3 writes of L2 pages, queued as each L1 -> L2 copy lands. Each write pins
 its nodes' host pages until its result comes back; a write that has not started can be withdrawn
 (`revoke`) so that L2 may evict those pages; past `limit_pages` pages queued, new writes are
 dropped and counted. Only the scheduler thread calls it."""
 from __future__ import annotations
 
 import collections
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from hicache.pagekey import PageKeys
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import TreeNode, nodes_covering
 
@@ -21,23 +22,27 @@ class BackupJob(NamedTuple):
 
 
 class BackupQueue:
-    def __init__(self, engine: StorageEngine, page_size: int, limit_pages: int, counters: collections.Counter):
-        self.engine, self.page_size, self.limit_pages, self.counters = engine, page_size, limit_pages, counters
+    def __init__(self, engine: StorageEngine, keys: PageKeys, limit_pages: int):
+        self.engine, self.keys, self.limit_pages = engine, keys, limit_pages
+        self.page_size = keys.page_size
+        self.counters: collections.Counter = collections.Counter()
         self.jobs: dict[int, BackupJob] = {}  # ticket -> write, oldest first
         self.pages = 0
 
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def add(self, nodes: list[TreeNode], keys_of: Callable[[TreeNode], list[str]]) -> None:
-        """Queues the L2 copies of attached `nodes` under their page keys, pinning them."""
+    def add(self, nodes: list[TreeNode]) -> None:
+        """Queues for L3 the L2 copies of `nodes` (just written from L1) still attached and on L2,
+        under their page keys, pinning them."""
+        nodes = [n for n in nodes if n.host_slots is not None and n.parent is not None]
         pages = sum(len(n.key) for n in nodes) // self.page_size
         if not pages:
             return
         if self.pages + pages > self.limit_pages:
             self.counters["backup_dropped_tokens"] += pages * self.page_size
             return
-        keys = [k for n in nodes for k in keys_of(n)]
+        keys = [k for n in nodes for k in self.keys.of_node(n)]
         slots = torch.cat([n.host_slots for n in nodes])
         for n in nodes:
             n.host_pin += 1

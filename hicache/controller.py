@@ -1,15 +1,16 @@
-"""`CacheController`: the cache brain. It decides and executes moves of KV pages between L1 and L2
-over the radix tree, through the tier protocols only (no concrete tier, no CUDA).
+"""`CacheController`: the cache brain's host transfers. It decides and executes moves of KV pages
+between L1 and L2 over the radix tree, through the tier protocols only (no concrete tier, no CUDA).
 
-- match: the L1 part of a prefix plus its L2 continuation (`MatchResult.host_hit_tokens`).
-- load-back: all or nothing per request, at least `load_back_min_tokens`, into fresh L1 pages
-  (evicting L1 for them and for the room the caller asks to keep; `hicache/loadback.py`).
+- load-back of a match's L2 continuation (`MatchResult.host_hit_tokens`): all or nothing per
+  request, at least `load_back_min_tokens`, into fresh L1 pages (evicting L1 for them and for the
+  room the caller asks to keep).
 - write policy: `write_through` backs up new pages on insert, `write_through_selective` on their
   second insert, `write_back` only when L1 evicts them.
 - eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the
   others (under write_back: copies them down first); L2 deletes host-only leaves no transfer pins.
-- L3 (optional, `attach_storage`): `hicache/storage.py` prefetches into L2 and backs up every
-  finished L1 -> L2 copy.
+- L3 (optional): every finished L1 -> L2 copy is queued for L3 (`hicache/backups.py`), and
+  queued L3 backups give up their L2 pins when L2 is short of room (`alloc_host`).
+- sliding windows (optional): a `hicache/window.py: WindowPolicy` shapes load-backs and evictions.
 - transfers are tickets; `poll()` folds in the finished ones (unpin, unlock, account) and never
   blocks. A failed backup leaves the node on L1 only; a failed load marks the loaded nodes stale
   (never matched again, dropped from L1 once unlocked) and is reported so the scheduler recomputes
@@ -22,20 +23,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from typing import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from hicache.audit import ControllerAudit
+from hicache.backups import BackupQueue
 from hicache.config import WRITE_POLICIES
 from hicache.decide import LoadDecider
-from hicache.loadback import LoadBack, window_cut, window_repair, windowless_nodes
-from hicache.prefetch import StorageOptions
-from hicache.storage import StorageController
-from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult, window_of
+from hicache.tiers.base import WHOLE, HostPool, TransferEngine, TransferResult
 from hicache.transfers import Op, Transfers
-from hicache.windows import WindowDrops
 from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.tree.integrity import check_locks
+from hicache.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,22 @@ LOAD_BACK_MIN_TOKENS = 10  # below this a host hit is recomputed (SGLang's load_
 WRITE_THRESHOLDS = {"write_through": 0, "write_through_selective": 1}  # hit_count needed to back up on insert
 
 
-class CacheController(ControllerAudit):
+class LoadBack(NamedTuple):
+    device_slots: torch.Tensor  # [m] int64, CPU: fresh L1 slots of the loaded tokens (tree-owned); empty if refused
+    last_node: TreeNode  # the node the caller's lock now sits on (match.last_node if refused)
+    ticket: int  # 0 if refused
+    # "" (loaded), "short" (under the minimum), "slow" (recomputing is faster), "room" (no L1 room yet), "failed"
+    refused: str = ""
+
+
+class CacheController:
     def __init__(self, tree: RadixTree, host_pool: HostPool | None = None, transfer: TransferEngine | None = None,
                  write_policy: str = "write_through", load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS,
-                 load_decision: str = "measured", window: int | None = None):
-        """`window`: the model's sliding window W when it has windowed layers (see `load_back`)."""
+                 decider: LoadDecider | None = None, windows: WindowPolicy | None = None,
+                 backups: BackupQueue | None = None):
+        """`decider`: weighs loads against recomputing (shared with L3; by default measured);
+        `windows`: the model's sliding-window policy, None for a model without windowed layers;
+        `backups`: where finished L1 -> L2 copies are queued for L3 (None: no L3)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}")
         if (host_pool is None) != (transfer is None):
@@ -60,20 +71,13 @@ class CacheController(ControllerAudit):
         self.write_policy = write_policy
         self.load_back_min_tokens = max(load_back_min_tokens, tree.page_size)
         self.enabled = host_pool is not None and not tree.disabled
-        self.window = window
-        self.windowed = bool(window_of(tree.allocator))  # L1 keeps the windowed layers' KV apart
-        self._stale: list[TreeNode] = []
-        self.window_drops = WindowDrops(tree, deferred=self.enabled)
-        self.counters = collections.Counter()
-        self.storage: StorageController | None = None
-        self.decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
-
-    def attach_storage(self, engine: StorageEngine, seed: bytes, options: StorageOptions, backend: str) -> None:
-        """Adds L3 over `engine`; `seed` is the namespace seed of the page keys (docs/formats.md)."""
-        if not self.enabled:
+        if backups is not None and not self.enabled:
             raise ValueError("L3 needs the host tier (L2)")
-        self.storage = StorageController(self.tree, engine, seed, options, self._alloc_host, backend,
-                                         self.host_pool.bytes_per_token(), self.decider)
+        self.windows, self.backups = windows, backups
+        self._stale: list[TreeNode] = []
+        self.counters = collections.Counter()
+        self.decider = decider if decider is not None else LoadDecider(
+            "measured", host_pool.bytes_per_token() if host_pool is not None else 0)
 
     @property
     def disabled(self) -> bool:
@@ -81,22 +85,13 @@ class CacheController(ControllerAudit):
 
     @property
     def transfer(self) -> TransferEngine | None:
-        return self.transfers.engine
+        return self.transfers.transfer
 
     @transfer.setter
     def transfer(self, engine: TransferEngine | None) -> None:
-        self.transfers.engine = engine
+        self.transfers.transfer = engine
 
-    # ---- match and locks ------------------------------------------------------------------
-
-    def match(self, token_ids, namespace: str = "") -> MatchResult:
-        return self.tree.match(token_ids, namespace)
-
-    def lock(self, node: TreeNode) -> None:
-        self.tree.lock(node)
-
-    def unlock(self, node: TreeNode) -> None:
-        self.tree.unlock(node)
+    # ---- loads in flight ------------------------------------------------------------------
 
     def pending_loads(self, node: TreeNode | None) -> frozenset[int]:
         """Tickets of loads on `node`'s path that are in flight, or failed and not yet reported by
@@ -134,31 +129,26 @@ class CacheController(ControllerAudit):
         `extra_tokens` even by evicting ("room": try later), or when the copy failed at once
         ("failed": recompute). The copy may still be in flight: wait on `pending_loads`.
 
-        With a sliding window W, the windowed layers load only the tokens from a page before the
-        last W + page of the loaded prefix: the caller computes from the prefix's end, so its
-        windowed layers never read the tokens before. The nodes wholly before that cut hold no
-        windowed KV on L1: tombstones where L1 keeps the windowed layers apart, else stale nodes
-        (no other match ends in or passes through them; their L1 copies, with everything below,
-        are dropped once the caller unlocks them). Their L2 copies stay whole. The tokens of the
-        window before the prefix's end that lack their window parts on L1 (`match.repair`) get
-        them back, their windowed layers loaded from L2 with the rest: a match may be all repair.
+        With a sliding window, the policy (`hicache/window.py`) names the tokens whose windowed
+        layers the load skips and those of the L1 part whose window parts it restores
+        (`match.repair`: a match may be all repair).
         """
         def refuse(why: str) -> LoadBack:
             return LoadBack(match.device_slots[:0], match.last_node, 0, why)
 
-        fix = window_repair(self.tree.allocator, match) if match.repair else None
-        if not self.enabled or (match.host_hit_tokens < self.load_back_min_tokens and fix is None):
+        if not self.enabled or (match.host_hit_tokens < self.load_back_min_tokens and not match.repair):
             if match.host_hit_tokens:
                 self.counters["load_back_recomputed_tokens"] += match.host_hit_tokens
             return refuse("short")
         queued = sum(op.tokens for op in self.transfers.ops.values() if op.kind == "load")
-        if fix is None and not self.decider.load("host", match.host_hit_tokens, queued * self.decider.bytes_per_token):
+        if not match.repair and not self.decider.load("host", match.host_hit_tokens,
+                                                      queued * self.decider.bytes_per_token):
             return refuse("slow")
-        cut = window_cut(self.tree, match, self.window)
+        window = self.windows.plan_load(match) if self.windows is not None else None
         chain = self.tree.load_chain(match.last_host_node)
-        n, r = sum(len(node.key) for node in chain), 0 if fix is None else fix.device_slots.numel()
+        n, r = sum(len(node.key) for node in chain), window.tokens() if window is not None else 0
         host = torch.cat([node.host_slots for node in chain]) if chain else match.device_slots[:0]
-        pinned = chain + (fix.nodes if fix is not None else [])
+        pinned = chain + (window.repair_nodes() if window is not None else [])
         for node in pinned:  # so that making room (write_back copies into L2) cannot evict them
             node.host_pin += 1
         slots = self._alloc_device(n, extra_tokens + r)
@@ -173,30 +163,25 @@ class CacheController(ControllerAudit):
             last = chain[-1]
             self.tree.lock(last)  # the caller's lock moves down to the loaded part
             self.tree.unlock(match.last_node)
-        options = {"skip": cut} if cut else {}
-        if r:
-            self.tree.allocator.restore_window(fix.device_slots)
-            options["repair"] = (fix.host_slots, fix.device_slots)
-        ticket = self.transfers.submit("load", pinned, (last,), lambda: self.transfer.load(host, slots, **options))
+        spec = WHOLE
+        if window is not None:
+            self.windows.restore(window)
+            spec = window.spec()
+        ticket = self.transfers.submit("load", pinned, (last,), lambda: self.transfer.load(host, slots, None, spec))
         self.collect()
         if ticket in self.transfers.failed:  # failed at once: nobody used the pages; undo and recompute
             del self.transfers.failed[ticket]
             if chain:
                 self.tree.lock(match.last_node)
                 self.tree.unlock(last)
-            for node in fix.nodes if r else ():  # their global parts are intact: tombstones again
-                node.stale = False
-            if r:
-                self.tree.allocator.free_window(fix.device_slots)
+            if window is not None:
+                self.windows.undo(window)
             self.drop_stale()
             self.counters["load_back_recomputed_tokens"] += n
             return refuse("failed")
-        for node in windowless_nodes(chain, cut):
-            if self.windowed:
-                self.tree.allocator.free_window(node.device_slots)
-            else:
-                node.stale = True
-                self._stale.append(node)
+        for node in self.windows.loaded(chain, window) if window is not None else ():
+            node.stale = True
+            self._stale.append(node)
         return LoadBack(slots, last, ticket)
 
     def _alloc_device(self, n: int, extra: int) -> torch.Tensor | None:
@@ -210,13 +195,8 @@ class CacheController(ControllerAudit):
 
     # ---- insert and write policy ----------------------------------------------------------
 
-    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0,
-               drop_window: tuple[int, int] | None = None) -> int:
+    def insert(self, token_ids, slots: torch.Tensor, namespace: str = "", prompt_tokens: int = 0) -> int:
         """`RadixTree.insert` (same ownership contract), then the write policy's backups.
-
-        `drop_window` (start, stop), where L1 keeps the windowed layers apart: the pages of
-        `token_ids[start:stop]` that the tree takes from the caller now lose their window parts
-        (`hicache/windows.py`); pages it held already keep theirs.
 
         Uses of a page: the prefill that computed it (the first `prompt_tokens` of `token_ids`
         were computed by prefill) and every insert that finds it cached. `write_through` backs up
@@ -236,15 +216,13 @@ class CacheController(ControllerAudit):
                     todo.append(node)
             if todo:
                 self._backup(todo)
-        if drop_window is not None:
-            self.window_drops.drop(token_ids, namespace, max(present, drop_window[0]), drop_window[1])
         return present
 
     def _backup(self, nodes: list[TreeNode], lock: bool = True) -> int | None:
         """Copies `nodes` (on L1, not on L2) to fresh L2 pages in one transfer. None when L2 has no
         room even after evicting."""
         n = sum(len(node.key) for node in nodes)
-        host = self._alloc_host(n)
+        host = self.alloc_host(n)
         if host is None:
             self.counters["backup_skipped_tokens"] += n
             return None
@@ -258,15 +236,15 @@ class CacheController(ControllerAudit):
         self.collect()
         return ticket
 
-    def _alloc_host(self, n: int) -> torch.Tensor | None:
+    def alloc_host(self, n: int) -> torch.Tensor | None:
         """n fresh L2 slots, evicting for them; when eviction falls short, L3 backups still queued
         give up their pins (oldest first) and eviction tries again. None if there is no room."""
         alloc = self.tree.host_allocator
         short = n - alloc.num_free_tokens()
         if short > 0:
             self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
-        while self.storage is not None and n > alloc.num_free_tokens():
-            if not self.storage.backups.revoke(n - alloc.num_free_tokens()):
+        while self.backups is not None and n > alloc.num_free_tokens():
+            if not self.backups.revoke(n - alloc.num_free_tokens()):
                 break
             self.counters["host_evicted_tokens"] += self.tree.evict_host(n - alloc.num_free_tokens())
         return alloc.alloc(n) if alloc.num_free_tokens() >= n else None
@@ -278,10 +256,9 @@ class CacheController(ControllerAudit):
         backup = self._copy_down if self.enabled else None
         alloc = self.tree.allocator
         target = alloc.num_free_tokens() + num_tokens
-        freed = more = self.tree.evict(num_tokens, backup)
-        while more and self.windowed and alloc.num_free_tokens() < target:  # short of window slots
-            more = self.tree.evict(target - alloc.num_free_tokens(), backup)
-            freed += more
+        freed = self.tree.evict(num_tokens, backup)
+        if self.windows is not None:
+            freed += self.windows.evict_more(freed, lambda n: self.tree.evict(n, backup), target)
         self.counters["device_evicted_tokens"] += freed
         return freed
 
@@ -306,23 +283,19 @@ class CacheController(ControllerAudit):
     # ---- completion -----------------------------------------------------------------------
 
     def busy(self) -> bool:
-        """L1 <-> L2 copies or L3 operations in flight (folded in by `poll`)."""
-        return bool(self.transfers.ops) or (self.storage is not None and self.storage.busy())
+        """L1 <-> L2 copies in flight (folded in by `poll`)."""
+        return bool(self.transfers.ops)
 
     def start_loads(self, whole: bool = False) -> None:
-        """Starts the load-backs submitted so far: an engine may hold them back so that one batch's
-        loads are queued together, layer by layer (the scheduler calls this once its plan is made);
-        `whole`: every layer at once rather than as the forward pass reaches them."""
-        start = getattr(self.transfer, "start_loads", None)
-        if start is not None:
-            start(whole)
+        """Starts the load-backs submitted so far (`TransferEngine.start_loads`): the scheduler
+        calls this once its plan is made; `whole`: every layer at once."""
+        if self.transfer is not None:
+            self.transfer.start_loads(whole)
 
-    def ordered_after(self, event):
+    def ordered_after(self, event: Any) -> AbstractContextManager:
         """A context in which new L1 <-> L2 copies follow only the device work queued before
-        `event` (a runner fence) instead of all of it, where the engine can order them so
-        (`HostTransferEngine.ordered_after`); otherwise, or with `event` None, no change."""
-        order = getattr(self.transfer, "ordered_after", None)
-        return order(event) if order is not None else contextlib.nullcontext()
+        `event` (a runner fence; `TransferEngine.ordered_after`)."""
+        return self.transfer.ordered_after(event) if self.transfer is not None else contextlib.nullcontext()
 
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last
@@ -331,9 +304,8 @@ class CacheController(ControllerAudit):
         self.drop_stale()
         self.start_loads()
         self.collect()
-        self.window_drops.sweep()
-        if self.storage is not None:
-            self.storage.poll()
+        if self.windows is not None:
+            self.windows.sweep()
         return self.transfers.take_failed()
 
     def collect(self) -> None:
@@ -351,8 +323,8 @@ class CacheController(ControllerAudit):
             self.counters["load_back_seconds" if op.kind == "load" else "backup_seconds"] += res.seconds
             if op.kind == "load":
                 self.decider.record_load("host", res.nbytes, res.seconds)
-            if op.kind == "backup" and self.storage is not None:
-                self.storage.backup(nodes)
+            if op.kind == "backup" and self.backups is not None:
+                self.backups.add(nodes)
             return
         self.counters["transfer_failures"] += 1
         logger.warning("%s of %d tokens failed: %s", op.kind, op.tokens, res.error)
@@ -378,15 +350,47 @@ class CacheController(ControllerAudit):
 
     # ---- flush, stats, integrity ----------------------------------------------------------
 
-    def flush(self) -> bool:
-        """Empties L1 and L2 (the caller has no running request). False while transfers run."""
+    def idle(self) -> bool:
+        """Folds in finished transfers; whether none is left in flight."""
         self.collect()
-        if self.transfers.ops or (self.storage is not None and not self.storage.quiesce()):
-            return False
+        return not self.transfers.ops
+
+    def reset(self) -> None:
+        """Empties L1 and L2 (no transfer in flight, no running request)."""
         self.tree.reset()
         self._stale = []
-        self.window_drops.reset()
-        return True
+
+    def host_stats(self) -> dict:
+        if not self.enabled:
+            return {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
+        a, c = self.tree.host_allocator, self.counters
+        return {"enabled": True, "used_tokens": a.capacity_tokens() - a.num_free_tokens(),
+                "capacity_tokens": a.capacity_tokens(), "cached_tokens": self.tree.host_tokens(),
+                "hit_tokens": c["loaded_back_tokens"], "evicted_tokens": c["host_evicted_tokens"],
+                "loaded_back_tokens": c["loaded_back_tokens"], "backed_up_tokens": c["backed_up_tokens"],
+                "loaded_back_bytes": c["loaded_back_bytes"], "backed_up_bytes": c["backed_up_bytes"],
+                "load_back_seconds": round(c["load_back_seconds"], 6), "backup_seconds": round(c["backup_seconds"], 6),
+                "transfer_failures": c["transfer_failures"],
+                "load_back_recomputed_tokens": c["load_back_recomputed_tokens"],
+                "load_back_deferred": c["load_back_deferred"],
+                "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self.transfers.ops),
+                "bytes_per_token": self.host_pool.bytes_per_token(), "write_policy": self.write_policy,
+                "layout": self.host_pool.layout, **self.decider.stats("host")}
+
+    def check_integrity(self, held_slots: torch.Tensor | None = None,
+                        request_locks: dict[TreeNode, int] | None = None,
+                        other_pins: collections.Counter | None = None, held_host_slots: torch.Tensor | None = None,
+                        seed: Callable[[str], bytes] | None = None) -> None:
+        """The tree's checks, with host pins accounted for by in-flight transfers and `other_pins`
+        (L3's), and, given `request_locks` (node -> running requests locking it), direct locks =
+        requests + transfers; `held_host_slots` and `seed` as `RadixTree.check_integrity`."""
+        pins = self.transfers.expected_pins()
+        pins.update(other_pins or {})
+        self.tree.check_integrity(held_slots, pins, held_host_slots, seed)
+        if request_locks is not None:
+            want = collections.Counter({n: c for n, c in request_locks.items() if n.parent is not None})
+            want.update(self.transfers.locks())
+            check_locks(self.tree, want)
 
 
 def _depth(node: TreeNode) -> int:

@@ -1,11 +1,14 @@
 """`CacheManager`: the scheduler's one door to the KV cache.
 
-The scheduler asks it to admit a request (match its prefix, lock it, take a table row, load the
-L2 part back into L1, take slots), to grow a running request's slots, to release a request
-(insert what it computed, unlock, free the rest) and to poll finished transfers. What a request
-holds is a `Lease`; in-flight load-backs hide behind a `LoadHandle` that the batch plan carries
-to the runner. Beneath it: the `CacheController` (L1 <-> L2 moves over the radix tree), the
-`StorageController` (L3, when attached), the L1 page allocator and the request-to-token table.
+The scheduler asks it, a request at a time, to prefetch a request's prompt from L3 on arrival, to
+admit it (match its prefix, lock it, take a table row, load the L2 part back into L1, take
+slots), to grow a running request's slots, to release it (insert what it computed, unlock, free
+the rest), and to poll finished transfers. What a request holds is a `Lease` (its L3 prefetch
+record included); in-flight load-backs hide behind a `LoadHandle` that the batch plan carries to
+the runner. Its parts, siblings named by tier: the device tree (`RadixTree` over the L1
+allocator, and the request-to-token table), the host transfers (`CacheController`: L1 <-> L2
+moves and the write policy), the storage (`StorageController`: L3, when on), and the sliding-window
+policy (`WindowPolicy`, only for a model with windowed layers). `CacheManager.build` wires them.
 
 Only the scheduler thread calls it.
 """
@@ -17,10 +20,15 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hicache.controller import CacheController
-from hicache.prefetch import StorageRange
-from hicache.tiers.base import RequestTable, window_of
-from hicache.tree import MatchResult
+from hicache.backups import BackupQueue
+from hicache.controller import LOAD_BACK_MIN_TOKENS, CacheController
+from hicache.decide import LoadDecider
+from hicache.pagekey import PageKeys
+from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
+from hicache.storage import StorageController
+from hicache.tiers.base import HostPool, RequestTable, StorageEngine, TransferEngine
+from hicache.tree import MatchResult, RadixTree
+from hicache.window import WindowPolicy
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -29,18 +37,18 @@ class Lease:
     """What one request holds of L1. Slots [0, prefix_len) belong to the radix tree (locked through
     the lease); slots [prefix_len, len(slots)) belong to the request. `row` is its row of the
     request-to-token table while it holds KV. `namespace` keys its prefix in the tree (cache salt);
-    `owner` is the caller's (the request)."""
+    `owner` is the caller's (the request). `prefetch`: its L3 prefetch while it waits (None: none)."""
 
-    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "_node", "_loads", "_trimmed")
+    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "prefetch", "_node", "_loads")
 
     def __init__(self, namespace: str = "", owner: object = None):
         self.namespace, self.owner = namespace, owner
         self.row: int | None = None
         self.slots = _EMPTY  # [allocated] int64, CPU
         self.prefix_len = 0
+        self.prefetch: PrefetchOp | None = None
         self._node = None  # the tree node its lock sits on
         self._loads: frozenset[int] = frozenset()  # load-backs its prefix still waits for
-        self._trimmed = 0  # its own slots before this one hold no window part (`CacheManager.trim_window`)
 
     @property
     def held(self) -> bool:
@@ -62,6 +70,16 @@ class Match(NamedTuple):
     @property
     def tokens(self) -> int:
         return self.device_tokens + self.host_tokens
+
+
+class StorageSetup(NamedTuple):
+    """L3 as `CacheManager.build` attaches it: the engine, the namespace seed of the page keys
+    (docs/formats.md), the storage options and the backend's name."""
+
+    engine: StorageEngine
+    seed: bytes
+    options: StorageOptions
+    backend: str
 
 
 class Admission(NamedTuple):
@@ -87,33 +105,46 @@ class LoadHandle:
 
 
 class CacheManager:
-    def __init__(self, controller: CacheController, req_table: RequestTable):
-        self.controller = controller
-        self.tree = controller.tree
-        self.allocator = controller.tree.allocator
-        self.req_table = req_table
-        self.page_size = controller.tree.page_size
-        self.storage = controller.storage
-        # a running request drops the window parts it no longer reads only where no L2 needs them whole
-        self.window = window_of(self.allocator) if not controller.enabled else 0
+    def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable, decider: LoadDecider,
+                 storage: StorageController | None = None, windows: WindowPolicy | None = None):
+        """`host`: the L1 <-> L2 transfers over `tree`; `decider`: the load-or-recompute rates the
+        host transfers and L3 share; `storage`: L3 (None: off); `windows`: the sliding-window
+        policy (None: the model has no windowed layers)."""
+        self.tree, self.host, self.req_table, self.storage, self.windows = tree, host, req_table, storage, windows
+        self.decider = decider
+        self.allocator = tree.allocator
+        self.page_size = tree.page_size
+        self.disabled = tree.disabled  # no radix cache: nothing is shared between requests
+        self.has_host_tier = host.host_pool is not None
+        self.capacity_tokens = tree.allocator.capacity_tokens()  # L1 tokens in all
 
-    @property
-    def disabled(self) -> bool:
-        """No radix cache: nothing is shared between requests."""
-        return self.controller.disabled
-
-    @property
-    def has_host_tier(self) -> bool:
-        return self.controller.host_pool is not None
-
-    def capacity_tokens(self) -> int:
-        """L1 tokens in all."""
-        return self.allocator.capacity_tokens()
+    @classmethod
+    def build(cls, tree: RadixTree, req_table: RequestTable, host_pool: HostPool | None = None,
+              transfer: TransferEngine | None = None, *, write_policy: str = "write_through",
+              load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS, load_decision: str = "measured",
+              windows: WindowPolicy | None = None, storage: StorageSetup | None = None) -> CacheManager:
+        """The parts over `tree` wired to each other: the host transfers (with `host_pool` and
+        `transfer`, or neither), and with `storage` the L3 controller, whose backup queue the host
+        transfers feed as L1 -> L2 copies land and which takes L2 room from them."""
+        decider = LoadDecider(load_decision, host_pool.bytes_per_token() if host_pool is not None else 0)
+        keys = backups = None
+        if storage is not None:
+            keys = PageKeys(storage.seed, tree.page_size)
+            backups = BackupQueue(storage.engine, keys, storage.options.backup_queue_pages)
+        host = CacheController(tree, host_pool, transfer, write_policy, load_back_min_tokens, decider, windows, backups)
+        l3 = None if storage is None else StorageController(
+            tree, storage.engine, keys, backups, storage.options, host.alloc_host, storage.backend,
+            host_pool.bytes_per_token(), decider)
+        return cls(tree, host, req_table, decider, l3, windows)
 
     # ---- admission -------------------------------------------------------------------------
 
     def match(self, token_ids: list[int], namespace: str) -> Match:
-        m = self.controller.match(token_ids, namespace)
+        """The cached prefix of `token_ids`, as a request may resume after it (fitted to the
+        sliding window, where the model has one)."""
+        m = self.tree.match(token_ids, namespace)
+        if self.windows is not None:
+            m = self.windows.fit(m)
         return Match(m.device_slots.numel(), m.host_hit_tokens, m)
 
     def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True) -> Admission | None:
@@ -123,7 +154,7 @@ class CacheManager:
         part yet): the lease then holds nothing and the request waits. A short L2 part, or a
         copy that failed at once, is not loaded: the request recomputes it."""
         m = match.result
-        self.controller.lock(m.last_node)
+        self.tree.lock(m.last_node)
         lease._node, lease.slots = m.last_node, m.device_slots
         lease.row = self.req_table.alloc()
         if lease.row is None:
@@ -131,27 +162,25 @@ class CacheManager:
             return None
         loaded, ready = 0, not (m.host_hit_tokens or m.repair)
         if load and not ready:
-            back = self.controller.load_back(m, load_room)
+            back = self.host.load_back(m, load_room)
             if back.refused == "room":
                 self.drop(lease)
                 return None
             if not back.refused:
                 lease._node, lease.slots = back.last_node, torch.cat([lease.slots, back.device_slots])
                 loaded, ready = back.device_slots.numel(), True
-        if not ready:  # its L1 part alone: where the window before its end is held
-            self._resume_on_l1(lease, m)
+        if not ready and self.windows is not None:  # its L1 part alone: where the window before its end is held
+            self._resume_on_l1(lease, self.windows.device_prefix(m))
         lease.prefix_len = lease.slots.numel()
         self.req_table.write(lease.row, 0, lease.slots)
-        lease._loads = self.controller.pending_loads(lease._node)
+        lease._loads = self.host.pending_loads(lease._node)
         return Admission(lease.prefix_len, loaded)
 
-    def _resume_on_l1(self, lease: Lease, m: MatchResult) -> None:
-        """The lease's prefix is the L1 part of `m` (its L2 part not loaded), cut back where L1
-        keeps the windowed layers apart and lacks the window before that part's end."""
-        cut = self.tree.device_prefix(m)
-        if cut.last_node is not m.last_node:
-            self.controller.lock(cut.last_node)
-            self.controller.unlock(m.last_node)
+    def _resume_on_l1(self, lease: Lease, cut: MatchResult) -> None:
+        """The lease's prefix becomes `cut`, what of its match it may resume after on L1 alone."""
+        if cut.last_node is not lease._node:
+            self.tree.lock(cut.last_node)
+            self.tree.unlock(lease._node)
             lease._node, lease.slots = cut.last_node, cut.device_slots
 
     def grow(self, lease: Lease, upto: int, headroom: int = 0) -> bool:
@@ -162,7 +191,7 @@ class CacheManager:
             return True
         free = self.allocator.num_free_tokens
         if need + headroom > free():
-            self.controller.evict_device(need + headroom - free())
+            self.host.evict_device(need + headroom - free())
             if need + headroom > free():
                 return False
         new = self.allocator.alloc(need)
@@ -193,17 +222,11 @@ class CacheManager:
         self.req_table.scatter(rows, cols, torch.cat(parts))
         return True
 
-    def trim_window(self, lease: Lease, computed: int) -> None:
-        """Where L1 keeps the windowed layers apart and there is no L2: the request has computed
-        `computed` tokens and reads no windowed KV before token computed - W again, so its own
-        whole pages before that give their window parts back."""
-        if not self.window or lease.row is None:
-            return
-        start = max(lease._trimmed, lease.prefix_len)
-        stop = max(0, computed - self.window) // self.page_size * self.page_size
-        if stop > start:
-            self.allocator.free_window(lease.slots[start:stop])
-            lease._trimmed = stop
+    def advance(self, lease: Lease, computed: int) -> None:
+        """The lease's request has computed `computed` tokens: under a sliding window, what it
+        will not read again may go (`WindowPolicy.trim`)."""
+        if self.windows is not None:
+            self.windows.trim(lease, computed)
 
     def _need(self, lease: Lease, upto: int) -> int:
         """Slots the lease lacks to cover `upto` tokens in whole pages (<= 0: none)."""
@@ -217,22 +240,14 @@ class CacheManager:
             return
         kv = len(token_ids) if keep else lease.prefix_len
         taken_end = 0 if self.disabled else kv // self.page_size * self.page_size
-        drop = self._window_drop(lease, taken_end)
-        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens,
-                                         drop) if kv else 0
+        present = self.host.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens) if kv else 0
+        if kv and self.windows is not None:
+            self.windows.tombstone(token_ids[:kv], lease.namespace, max(present, lease.prefix_len), taken_end)
         taken_end = present if self.disabled else taken_end
         self.allocator.free(lease.slots[lease.prefix_len:max(present, lease.prefix_len)])
         self.allocator.free(lease.slots[max(taken_end, lease.prefix_len):])
         self.drop(lease)
-        self.controller.drop_stale()  # (nodes of failed loads, and those a windowed load-back left untrusted)
-
-    def _window_drop(self, lease: Lease, end: int) -> tuple[int, int] | None:
-        """The range of the lease's own pages the tree takes without their window parts: those
-        before the last W tokens of the `end` it caches (None: L1 keeps no windowed layers apart)."""
-        window = window_of(self.allocator)
-        if not window:
-            return None
-        return lease.prefix_len, max(0, end - window) // self.page_size * self.page_size
+        self.host.drop_stale()  # (nodes of failed loads, and those a windowed load-back left untrusted)
 
     def publish(self, lease: Lease, token_ids: list[int]) -> None:
         """Caches the KV the lease has computed of `token_ids` (whole pages) while its request goes
@@ -241,11 +256,11 @@ class CacheManager:
         kv = len(token_ids) // self.page_size * self.page_size
         if lease._node is None or self.disabled or kv <= lease.prefix_len:
             return
-        present = self.controller.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, kv)
-        nodes = self.controller.tree.path(token_ids[:kv], lease.namespace)
+        present = self.host.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, kv)
+        nodes = self.tree.path(token_ids[:kv], lease.namespace)
         cached = torch.cat([node.device_slots for node in nodes])
-        self.controller.lock(nodes[-1])
-        self.controller.unlock(lease._node)
+        self.tree.lock(nodes[-1])
+        self.tree.unlock(lease._node)
         if present > lease.prefix_len:  # pages the tree held already: the request reads the tree's
             self.req_table.write(lease.row, lease.prefix_len, cached[lease.prefix_len:present])
             self.allocator.free(lease.slots[lease.prefix_len:present])
@@ -255,68 +270,80 @@ class CacheManager:
     def drop(self, lease: Lease) -> None:
         """Unlocks the lease and frees its row; its own slots must have been freed."""
         if lease._node is not None:
-            self.controller.unlock(lease._node)
+            self.tree.unlock(lease._node)
         if lease.row is not None:
             self.req_table.free(lease.row)
         lease.row, lease._node, lease.slots, lease.prefix_len, lease._loads = None, None, _EMPTY, 0, frozenset()
-        lease._trimmed = 0
+        if self.windows is not None:
+            self.windows.forget(lease)
 
     # ---- transfers -------------------------------------------------------------------------
 
     def refresh(self, lease: Lease) -> None:
         """Forgets the lease's load-backs once they have landed."""
-        if lease._loads and self.controller.loads_done(lease._loads):
+        if lease._loads and self.host.loads_done(lease._loads):
             lease._loads = frozenset()
 
-    def load_handle(self, leases: list[Lease]) -> LoadHandle | None:
-        """The loads a batch over `leases` must wait for (None if none)."""
-        tickets = frozenset().union(*(lease._loads for lease in leases))
-        return LoadHandle(self.controller, tickets) if tickets else None
-
-    def start_loads(self, whole: bool = False) -> None:
+    def start_loads(self, leases: list[Lease], whole: bool = False) -> LoadHandle | None:
         """Starts the load-backs submitted so far, now that the step is planned, so that they are
-        queued together (`CacheController.start_loads`); `whole`: every layer of them at once,
-        when some belong to requests that sit the step out (no forward pass paces their copies)."""
-        self.controller.start_loads(whole)
+        queued together (`CacheController.start_loads`; `whole`: every layer of them at once,
+        when some belong to requests that sit the step out: no forward pass paces their copies).
+        Returns the loads a batch over `leases` must wait for (None if none)."""
+        tickets = frozenset().union(*(lease._loads for lease in leases))
+        handle = LoadHandle(self.host, tickets) if tickets else None
+        self.host.start_loads(whole)
+        return handle
 
     def poll(self, leases: list[Lease]) -> list[Lease]:
-        """Folds in finished transfers. Returns those of `leases` whose load-back failed: the
-        caller releases each with `keep=False` and recomputes its request."""
-        failed = self.controller.poll()
+        """Folds in finished transfers (L1 <-> L2, then L3). Returns those of `leases` whose
+        load-back failed: the caller releases each with `keep=False` and recomputes its request."""
+        failed = self.host.poll()
+        if self.storage is not None:
+            self.storage.poll()
         hit = [lease for lease in leases if lease._loads & failed] if failed else []
         if failed and not hit:
-            self.controller.drop_stale()
+            self.host.drop_stale()
         return hit
 
-    def collect(self) -> None:
-        """Folds in finished transfers without reporting failed loads (the next `poll` does)."""
-        self.controller.collect()
+    def collect(self, leases: list[Lease] = ()) -> None:
+        """Folds in finished L1 <-> L2 transfers without reporting failed loads (the next `poll`
+        does), and forgets the landed load-backs of `leases`."""
+        self.host.collect()
+        for lease in leases:
+            self.refresh(lease)
 
     def ordered_after(self, event):
-        """`CacheController.ordered_after`: new copies follow only the compute before `event`."""
-        return self.controller.ordered_after(event)
+        """A context in which the copies that admissions and releases start follow only the
+        compute queued before `event` (`CacheController.ordered_after`)."""
+        return self.host.ordered_after(event)
 
     def busy(self) -> bool:
-        return self.controller.busy()
+        """L1 <-> L2 copies or L3 operations in flight."""
+        return self.host.busy() or (self.storage is not None and self.storage.busy())
 
     # ---- L3 prefetch -----------------------------------------------------------------------
 
-    def prefetch(self, rid: str, token_ids: list[int], namespace: str) -> None:
+    def prefetch(self, lease: Lease, token_ids: list[int]) -> None:
+        """On arrival: L3 is asked for the pages of `token_ids` beyond what L1 and L2 hold; the
+        lease keeps the record until `dequeued`."""
         if self.storage is not None:
-            self.storage.prefetch(rid, token_ids, namespace)
+            lease.prefetch = self.storage.prefetch(token_ids, lease.namespace)
 
-    def prefetch_ready(self, rid: str) -> StorageRange | None:
+    def prefetch_ready(self, lease: Lease) -> StorageRange | None:
         """None while the prefetch policy keeps the request waiting; else the prompt range its
-        prefetch committed to the tree (empty without L3)."""
-        return self.storage.ready(rid) if self.storage is not None else StorageRange()
+        prefetch committed to the tree (empty without one)."""
+        return self.storage.ready(lease.prefetch) if lease.prefetch is not None else StorageRange()
 
-    def dequeued(self, rid: str) -> None:
+    def dequeued(self, lease: Lease) -> None:
         """The request left the waiting queue (admitted, aborted, or finished there): its L3
         prefetch stops, or the L2 pages it committed need no pin any more."""
-        if self.storage is not None:
-            self.storage.dequeued(rid)
+        if lease.prefetch is not None:
+            self.storage.dequeued(lease.prefetch)
+            lease.prefetch = None
 
     def prefetch_grace(self, decoding: bool) -> None:
+        """Before a prefill batch is formed: a moment for L3 answers about to come
+        (`StorageController.grace`)."""
         if self.storage is not None:
             self.storage.grace(decoding)
 
@@ -334,17 +361,24 @@ class CacheManager:
     # ---- lifecycle, stats, integrity -------------------------------------------------------
 
     def flush(self) -> bool:
-        return self.controller.flush()
+        """Empties L1 and L2 (the caller has no running request); L3's operations are cancelled
+        first. False while transfers run."""
+        if not self.host.idle() or (self.storage is not None and not self.storage.quiesce()):
+            return False
+        self.host.reset()
+        if self.windows is not None:
+            self.windows.reset()
+        return True
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill step computed `tokens` prompt tokens in `seconds`: the rate that loads from
         L2 and L3 are weighed against (`hicache/decide.py`)."""
-        self.controller.decider.record_prefill(tokens, seconds)
+        self.decider.record_prefill(tokens, seconds)
 
     def set_prefill_backlog(self, tokens: int) -> None:
         """The prompt tokens queued for prefill (waiting and running requests'), which a
         recomputation would wait behind."""
-        self.controller.decider.set_backlog(tokens)
+        self.decider.set_backlog(tokens)
 
     def close(self) -> None:
         """Stops the L3 I/O threads (after their in-flight writes)."""
@@ -354,23 +388,28 @@ class CacheManager:
     def tier_stats(self, hits: dict[str, int], bytes_per_token: int) -> dict:
         """Per-tier occupancy and traffic; `hits`: tokens served from each tier."""
         a = self.allocator
-        free = a.num_free_global_tokens() if window_of(a) else a.num_free_tokens()
-        device = {"used_tokens": a.capacity_tokens() - free, "capacity_tokens": a.capacity_tokens(),
+        device = {"used_tokens": a.capacity_tokens() - a.num_free_tokens(), "capacity_tokens": a.capacity_tokens(),
                   "cached_tokens": self.tree.total_tokens(), "hit_tokens": hits["device"],
-                  "evicted_tokens": self.controller.counters["device_evicted_tokens"],
+                  "evicted_tokens": self.host.counters["device_evicted_tokens"],
                   "bytes_per_token": bytes_per_token}
-        if window_of(a):  # the windowed layers' pool: slots holding a token's window part
-            device.update(window_used_tokens=a.window_capacity_tokens() - a.num_free_window_tokens(),
-                          window_capacity_tokens=a.window_capacity_tokens())
+        if self.windows is not None:
+            device.update(self.windows.device_stats())
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
-        host = dict(self.controller.host_stats(), hit_tokens=hits["host"]) if self.controller.enabled else dict(empty)
+        host = dict(self.host.host_stats(), hit_tokens=hits["host"]) if self.host.enabled else dict(empty)
         storage = dict(self.storage.stats(), hit_tokens=hits["storage"]) if self.storage is not None else dict(empty)
         return {"device": device, "host": host, "storage": storage}
 
     def check_integrity(self, leases: list[Lease], rows: int) -> None:
         """Every L1 slot free, held by one lease or owned by one node; locks = leases + transfers;
-        `rows`: table rows in all (each free or held by one lease)."""
+        host pins = transfers + L3's; `rows`: table rows in all (each free or held by one lease)."""
         held = [lease.slots[lease.prefix_len:] for lease in leases]
+        held = torch.cat(held) if held else None
         locks = collections.Counter(lease._node for lease in leases)
-        self.controller.check_integrity(torch.cat(held) if held else None, locks)
+        if self.storage is None:
+            self.host.check_integrity(held, locks)
+        else:
+            hold = self.storage.holds()
+            self.host.check_integrity(held, locks, hold.pins, hold.host_slots, hold.seed)
+        if self.windows is not None:
+            self.windows.check_integrity(held)
         assert self.req_table.num_free() + len(leases) == rows, "table rows leaked"

@@ -44,3 +44,40 @@ def chain_keys(prev: bytes, token_ids: Sequence[int], page_size: int) -> list[st
         prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
         keys.append(prev.hex())
     return keys
+
+
+class PageKeys:
+    """The L3 keys of the tree's pages under one model's namespace `seed`, per cache salt. A
+    node's keys are cached on it (`TreeNode.page_keys`): each node is hashed once in its life,
+    chained from its parent's last key, and a split shares the keys out (`RadixTree._split`)."""
+
+    def __init__(self, seed: bytes, page_size: int):
+        self.page_size = page_size
+        self._seed = seed
+        self._seeds: dict[str, bytes] = {}
+
+    def seed(self, namespace: str) -> bytes:
+        s = self._seeds.get(namespace)
+        if s is None:
+            s = self._seeds[namespace] = salted_seed(self._seed, namespace)
+        return s
+
+    def of_node(self, node) -> list[str]:
+        """The keys of an attached node's pages (ancestors without keys yet get theirs on the way)."""
+        if node.page_keys is not None:
+            return node.page_keys
+        chain, n = [], node
+        while not n.is_root and n.page_keys is None:
+            chain.append(n)
+            n = n.parent
+        prev = self.seed(node.namespace) if n.is_root else bytes.fromhex(n.page_keys[-1])
+        for n in reversed(chain):
+            n.page_keys = chain_keys(prev, n.key, self.page_size)
+            prev = bytes.fromhex(n.page_keys[-1])
+        return node.page_keys
+
+    def after(self, node, tokens: Sequence[int]) -> list[str]:
+        """Keys of the pages of `tokens`, which follow the prefix that ends with `node` (a match's
+        last node, so it is attached, or a root): hashes `tokens` only, not the cached prefix."""
+        prev = self.seed(node.namespace) if node.is_root else bytes.fromhex(self.of_node(node)[-1])
+        return chain_keys(prev, tokens, self.page_size)

@@ -17,32 +17,32 @@ L2 has no room for a fetch yet, it is deferred and retried (oldest first) as roo
 deferred prefetch keeps its request waiting at most the timeout allowance, whatever the policy,
 then gives up.
 
-Backup: every finished L1 -> L2 copy (`backup(nodes)`) is queued for L3 (`hicache/backups.py`);
-the nodes' host pages stay pinned until the write is done; the worker skips keys L3 already holds.
-A backup still queued never holds L2 hostage: when L2 is short of room, `backups.revoke` withdraws
-queued backups, oldest first, and unpins their pages so that eviction may take them (counted,
+Backup: the cache controller queues every finished L1 -> L2 copy for L3 (`hicache/backups.py`);
+this controller folds in the results of those writes with its own. The nodes' host pages stay
+pinned until the write is done; the worker skips keys L3 already holds. A backup still queued
+never holds L2 hostage: when L2 is short of room, `BackupQueue.revoke` withdraws queued backups,
+oldest first, and unpins their pages so that eviction may take them (counted,
 `backup_revoked_tokens`). Past `backup_queue_pages` pages in flight, further backups are dropped
-and counted. Page keys are cached on the tree nodes (`TreeNode.page_keys`, chained from the
-parent's last key), so a backup hashes only pages never hashed before, and a prefetch only the
-pages beyond the cached prefix.
+and counted. Page keys are cached on the tree nodes (`hicache/pagekey.py: PageKeys`), so a backup
+hashes only pages never hashed before, and a prefetch only the pages beyond the cached prefix.
 
-The options and the per-prefetch records are in `hicache/prefetch.py`.
+The options and the per-prefetch records (held by each request's `Lease`) are in `hicache/prefetch.py`.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from hicache.backups import BackupQueue
 from hicache.decide import LoadDecider
-from hicache.pagekey import chain_keys, salted_seed
+from hicache.pagekey import PageKeys
 from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
 from hicache.tiers.base import StorageEngine, StorageResult
-from hicache.tree import RadixTree, TreeNode, nodes_covering
+from hicache.tree import RadixTree, nodes_covering
 
 logger = logging.getLogger(__name__)
 
@@ -51,60 +51,59 @@ HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang
 BACKEND_HEALTH = ("map_full", "write_failures", "disk_short", "dropped_pages", "disk_free_bytes")
 
 
+class StorageHolds(NamedTuple):
+    """L2 as L3's operations hold it: node -> host pins (queued backups, committed prefetches),
+    the L2 slots reserved outside the tree, and the page keys' seed (namespace -> seed)."""
+
+    pins: collections.Counter
+    host_slots: torch.Tensor
+    seed: Callable[[str], bytes]
+
+
 class StorageController:
-    def __init__(self, tree: RadixTree, engine: StorageEngine, seed: bytes, options: StorageOptions,
-                 alloc_host: Callable[[int], torch.Tensor | None], backend: str, bytes_per_token: int,
-                 decider: LoadDecider | None = None):
-        self.tree, self.engine, self.options = tree, engine, options
-        self.decider = decider if decider is not None else LoadDecider("measured", bytes_per_token)
+    def __init__(self, tree: RadixTree, engine: StorageEngine, keys: PageKeys, backups: BackupQueue,
+                 options: StorageOptions, alloc_host: Callable[[int], torch.Tensor | None], backend: str,
+                 bytes_per_token: int, decider: LoadDecider):
+        """`keys`: the page keys of the tree's pages; `backups`: the L3 writes (which the cache
+        controller queues as L1 -> L2 copies land); `alloc_host(n)`: n fresh L2 slots, evicting
+        for them (None: no room)."""
+        self.tree, self.engine, self.keys, self.backups, self.options = tree, engine, keys, backups, options
+        self.decider = decider
         self.page_size = tree.page_size
         self.backend, self.bytes_per_token = backend, bytes_per_token
-        self._seed = seed
-        self._seeds: dict[str, bytes] = {}
         self._alloc_host = alloc_host
-        self._by_rid: dict[str, PrefetchOp] = {}
+        self._live: dict[PrefetchOp, None] = {}  # the waiting requests' prefetches, oldest first
         self._by_ticket: dict[int, PrefetchOp] = {}  # queries and fetches in flight
         self._draining: dict[int, torch.Tensor] = {}  # fetch ticket -> its uncommitted pages, freed on its result
         self.counters = collections.Counter()
-        self.backups = BackupQueue(engine, self.page_size, options.backup_queue_pages, self.counters)
-
-    def seed(self, namespace: str) -> bytes:
-        s = self._seeds.get(namespace)
-        if s is None:
-            s = self._seeds[namespace] = salted_seed(self._seed, namespace)
-        return s
 
     # ---- prefetch -------------------------------------------------------------------------
 
-    def prefetch(self, rid: str, token_ids: list[int], namespace: str) -> None:
-        """On arrival: query L3 for the pages of `token_ids` beyond the L1 + L2 match."""
+    def prefetch(self, token_ids: list[int], namespace: str) -> PrefetchOp:
+        """On arrival: queries L3 for the pages of `token_ids` beyond the L1 + L2 match. Returns the
+        request's prefetch record, which it keeps until `dequeued`."""
         ps = self.page_size
         end = len(token_ids) // ps * ps
         tokens = list(token_ids[:end])
-        m = self.tree.match(tokens, namespace, whole=True)
+        m = self.tree.match(tokens, namespace)
         start = m.device_slots.numel() + m.host_hit_tokens
         ticket, keys = None, []
         if end - start >= self._min_tokens():
-            keys = self._keys_after(m.last_host_node, tokens[start:])
+            keys = self.keys.after(m.last_host_node, tokens[start:])
             ticket = self.engine.query(keys)
             self.counters["prefetch_queries"] += 1
-        op = self._by_rid[rid] = PrefetchOp(rid, namespace, tokens, start, keys, ticket, self.tree.deletions)
+        op = PrefetchOp(namespace, tokens, start, keys, ticket, self.tree.deletions)
+        self._live[op] = None
         if ticket is not None:
             self._by_ticket[ticket] = op
+        return op
 
-    def _keys_after(self, node: TreeNode, tokens: list[int]) -> list[str]:
-        """Keys of the pages of `tokens`, which follow the prefix that ends with `node` (a match's
-        last node, so it is attached, or a root): hashes `tokens` only, not the cached prefix."""
-        prev = self.seed(node.namespace) if node.is_root else bytes.fromhex(self._node_keys(node)[-1])
-        return chain_keys(prev, tokens, self.page_size)
-
-    def ready(self, rid: str) -> StorageRange | None:
+    def ready(self, op: PrefetchOp) -> StorageRange | None:
         """Whether the request may be scheduled now (None: keep it waiting). Commits what its
         prefetch fetched and returns the prompt tokens that came from L3 (pinned on L2 until
         `dequeued`). A request whose cached prefix has shrunk since L3 was asked (L2 evicted it
         while the request waited) asks L3 again, once."""
-        op = self._by_rid.get(rid)
-        if op is None:
+        if op not in self._live:
             return StorageRange()
         if op.phase == "done" and self._requery(op):
             return None
@@ -132,12 +131,16 @@ class StorageController:
         op.seen = self.tree.deletions
         if sum(len(n.key) for n in self.tree.path(op.tokens, op.namespace)) >= op.start:
             return False
-        del self._by_rid[op.rid]
-        self.prefetch(op.rid, op.tokens, op.namespace)
-        again = self._by_rid[op.rid]
-        again.requeried = True
+        del self._live[op]
+        fresh = self.prefetch(op.tokens, op.namespace)
+        del self._live[fresh]
+        op.restart(fresh)
+        self._live[op] = None
+        if op.ticket is not None:
+            self._by_ticket[op.ticket] = op
+        op.requeried = True
         self.counters["prefetch_requeries"] += 1
-        return not again.settled()
+        return not op.settled()
 
     def _may_stop(self, op: PrefetchOp) -> bool:
         policy = self.options.policy
@@ -171,13 +174,13 @@ class StorageController:
         leaf.host_pin += 1
         op.got, op.held, op.phase = StorageRange(op.start + kept, end), ((leaf, len(leaf.key)),), "held"
 
-    def dequeued(self, rid: str) -> None:
+    def dequeued(self, op: PrefetchOp) -> None:
         """The request left the waiting queue (admitted, aborted, or finished there): its prefetch
         record goes. Pages it committed are unpinned; a prefetch still in flight is stopped
         (`prefetch_revoked`) and its pages freed."""
-        op = self._by_rid.pop(rid, None)
-        if op is None:
+        if op not in self._live:
             return
+        del self._live[op]
         for node in nodes_covering(op.held):
             node.host_pin -= 1
         if op.settled():
@@ -208,7 +211,7 @@ class StorageController:
         """Reserves L2 pages for the L3 hits of a deferred `op` beyond what the cache holds now and
         starts its fetch. False (it stays deferred) while L2 has no room for them."""
         ps = self.page_size
-        m = self.tree.match(op.tokens, op.namespace, whole=True)  # the cache may have moved since arrival
+        m = self.tree.match(op.tokens, op.namespace)  # the cache may have moved since arrival
         now = m.device_slots.numel() + m.host_hit_tokens
         skip = (now - op.start) // ps
         n = op.hits - skip
@@ -235,28 +238,6 @@ class StorageController:
         self._by_ticket[op.ticket] = op
         return True
 
-    # ---- backup ---------------------------------------------------------------------------
-
-    def backup(self, nodes: list[TreeNode]) -> None:
-        """Queues the L2 copies of `nodes` (just written from L1) for L3, pinning them."""
-        self.backups.add([n for n in nodes if n.host_slots is not None and n.parent is not None], self._node_keys)
-
-    def _node_keys(self, node: TreeNode) -> list[str]:
-        """The L3 keys of an attached node's pages, cached on it (`TreeNode.page_keys`): each node
-        is hashed once in its life, chained from its parent's last key (ancestors without keys yet
-        get theirs on the way), and a split shares the keys out (`RadixTree._split`)."""
-        if node.page_keys is not None:
-            return node.page_keys
-        chain, n = [], node
-        while not n.is_root and n.page_keys is None:
-            chain.append(n)
-            n = n.parent
-        prev = self.seed(node.namespace) if n.is_root else bytes.fromhex(n.page_keys[-1])
-        for n in reversed(chain):
-            n.page_keys = chain_keys(prev, n.key, self.page_size)
-            prev = bytes.fromhex(n.page_keys[-1])
-        return node.page_keys
-
     # ---- completion -----------------------------------------------------------------------
 
     def poll(self) -> None:
@@ -274,7 +255,7 @@ class StorageController:
                 else:
                     op.finished, op.landed = True, res.pages
                     self._count_fetch(res)
-        for op in [op for op in self._by_rid.values() if op.phase == "deferred"]:
+        for op in [op for op in self._live if op.phase == "deferred"]:
             if not self._reserve(op):  # oldest first: a later one does not overtake it
                 break
 
@@ -305,7 +286,7 @@ class StorageController:
             return
         end = time.monotonic() + (self.options.query_grace if decoding else self.options.prefetch_grace)
         while any(op.phase == "query" or (not decoding and op.phase == "fetch" and not op.finished)
-                  for op in self._by_rid.values()):
+                  for op in self._live):
             left = end - time.monotonic()
             if left <= 0:
                 return
@@ -314,8 +295,8 @@ class StorageController:
 
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Cancels every L3 operation, waits for them and folds them in (for flush)."""
-        for op in list(self._by_rid.values()):
-            self.dequeued(op.rid)
+        for op in list(self._live):
+            self.dequeued(op)
         done = self.engine.quiesce(timeout)
         self.poll()
         return done and not self.busy()
@@ -331,29 +312,30 @@ class StorageController:
 
     def _held_host_tokens(self) -> int:
         """L2 tokens prefetches hold: reserved by fetches, or committed and pinned until admission."""
-        return int(self.held_host_slots().numel()) + sum(op.held_tokens() for op in self._by_rid.values())
+        return int(self.held_host_slots().numel()) + sum(op.held_tokens() for op in self._live)
 
     def held_host_slots(self) -> torch.Tensor:
         """L2 slots held outside the tree: reserved by fetches not yet committed or freed."""
-        parts = [op.host_slots for op in self._by_rid.values() if op.phase == "fetch"]
+        parts = [op.host_slots for op in self._live if op.phase == "fetch"]
         parts += list(self._draining.values())
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
-    def pins(self) -> collections.Counter:
+    def holds(self) -> StorageHolds:
+        """What L3's operations hold of L2, for the integrity check."""
         pins = self.backups.pins()
-        for op in self._by_rid.values():
+        for op in self._live:
             pins.update(nodes_covering(op.held))
-        return pins
+        return StorageHolds(pins, self.held_host_slots(), self.keys.seed)
 
     def waiting(self) -> int:
         """Prefetches with an L3 operation to come (queried, deferred or fetching)."""
-        return sum(not op.settled() for op in self._by_rid.values())
+        return sum(not op.settled() for op in self._live)
 
     def releasable(self) -> bool:
         """Whether `ready()` would now let go a waiting request it has not let go yet: its prefetch
         has landed, found nothing to fetch, or ran out of the policy's time."""
         return any(not op.released and (op.settled() or op.finished or self._may_stop(op))
-                   for op in self._by_rid.values())
+                   for op in self._live)
 
     def stats(self) -> dict:
         self.poll()  # an idle scheduler does not step: fold in what finished since
@@ -372,7 +354,8 @@ class StorageController:
                "errors": engine.get("errors", 0), "corrupt_pages": engine.get("corrupt_pages", 0),
                "stale_pages": engine.get("stale_pages", 0), **self.decider.stats("storage")}
         out.update({k: engine[k] for k in BACKEND_HEALTH if k in engine})  # why it may be degraded
-        out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in self.counters.items()})
+        counters = {**self.counters, **self.backups.counters}
+        out.update({k: round(v, 6) if isinstance(v, float) else v for k, v in counters.items()})
         for k in ("prefetched_tokens", "prefetched_bytes", "backed_up_tokens", "backed_up_bytes",
                   "backup_dropped_tokens", "backup_revoked_tokens", "prefetch_recompute_chosen", "prefetch_seconds",
                   "backup_seconds", "queries_answered", "query_seconds"):

@@ -28,8 +28,8 @@ class Op(NamedTuple):
 
 
 class Transfers:
-    def __init__(self, tree: RadixTree, engine: TransferEngine | None):
-        self.tree, self.engine = tree, engine
+    def __init__(self, tree: RadixTree, transfer: TransferEngine | None):
+        self.tree, self.transfer = tree, transfer
         self.ops: dict[int, Op] = {}
         self.failed: dict[int, Op] = {}  # failed loads not yet reported by `take_failed`
 
@@ -47,9 +47,9 @@ class Transfers:
     def finished(self):
         """(op, result) of the copies that finished since the last call; their pins and locks are
         released, failed loads are kept for `take_failed`."""
-        if self.engine is None:
+        if self.transfer is None:
             return
-        for res in self.engine.poll():
+        for res in self.transfer.poll():
             op = self.ops.pop(res.ticket, None)
             if op is None:
                 continue
@@ -82,21 +82,17 @@ class Transfers:
     def layer_waiter(self, tickets: frozenset[int]) -> Callable[[int | None], None]:
         """See `CacheController.layer_waiter`."""
         live = [t for t in tickets if t in self.ops]
-        per_layer = getattr(self.engine, "wait_layer", None)
 
         def wait(layer: int | None) -> None:
             for t in live:
-                if per_layer is not None:
-                    per_layer(t, layer)
-                else:
-                    self.engine.synchronize(t)
+                self.transfer.wait_layer(t, layer)
         return wait
 
     def settle(self, tickets) -> None:
         """Blocks until the copies `tickets` have finished or failed."""
         for t in tickets:
             if t in self.ops:
-                self.engine.synchronize(t)
+                self.transfer.synchronize(t)
 
     def expected_pins(self) -> collections.Counter:
         """node -> host pins the copies in flight account for."""

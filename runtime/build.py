@@ -8,8 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.controller import CacheController
-from hicache.manager import CacheManager
+from hicache.manager import CacheManager, StorageSetup
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
 from hicache.runtime.attention import AttentionBackend, make_attention
@@ -31,6 +30,7 @@ from hicache.tiers.remote.process import StorageProcess
 from hicache.tiers.remote.redact import redact
 from hicache.tiers.remote.worker import StorageWorker
 from hicache.tree import RadixTree
+from hicache.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -117,18 +117,18 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     windows = [w for w in cfg.layer_windows if w]
     if ranks is not None and transfer is not None:
         transfer = TransferFanout(transfer, ranks)
-    controller = CacheController(tree, host_pool, transfer, cc.hicache_write_policy,
-                                 load_decision=cc.hicache_load_decision, window=max(windows) if windows else None)
-    if storage_on(cc, host_pool):
-        attach_storage(controller, cc, rc, loaded, host_pool, ranks)
+    policy = WindowPolicy(tree, max(windows), host=host_pool is not None and not cc.disable_radix_cache) \
+        if windows else None
+    storage = storage_setup(cc, rc, loaded, host_pool, ranks) if storage_on(cc, host_pool) else None
+    cache = CacheManager.build(tree, parts.req_table, host_pool, transfer, write_policy=cc.hicache_write_policy,
+                               load_decision=cc.hicache_load_decision, windows=policy, storage=storage)
     args = (loaded.model, pool, parts.req_table, parts.attn, parts.device)
     options = {"cuda_graph": not rc.disable_cuda_graph, "max_batch": rc.max_running_requests}
     runner = ModelRunner(*args, **options) if ranks is None else TPModelRunner(ranks, *args, **options)
     nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
     logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
                 f"; windowed layers: {pool.window_slots} slots" if pool.window_layers else "", parts.context)
-    return Components(cfg, loaded.tokenizer, pool, CacheManager(controller, parts.req_table), runner, parts.context,
-                      cfg.name)
+    return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name)
 
 
 def least_over_ranks(tp: TensorParallel, n: int, device: torch.device) -> int:
@@ -158,17 +158,17 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
     return host
 
 
-def attach_storage(cache: CacheController, cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel,
-                   host_pool: HostKVPool, ranks: RankGroup | None = None) -> None:
+def storage_setup(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, host_pool: HostKVPool,
+                  ranks: RankGroup | None = None) -> StorageSetup:
     """L3: the backend named by `hicache_storage_backend`, its I/O worker over the host pool, and
     the page-key namespace (docs/formats.md: model, KV dtype, page size, layout, TP rank and size);
     with `ranks`, every rank's worker behind one `StorageFanout`."""
     worker, seed, options, where = storage_worker(cc, rc, loaded, host_pool, ranks.tp if ranks else SINGLE)
-    cache.attach_storage(worker if ranks is None else StorageFanout(worker, ranks), seed, options,
-                         cc.hicache_storage_backend)
+    engine = worker if ranks is None else StorageFanout(worker, ranks)
     logger.info("L3 %s storage: %s (prefetch %s from %d tokens; values %s)", cc.hicache_storage_backend,
                 redact(where), options.policy, options.prefetch_threshold,
                 "MACed" if cc.hicache_storage_secret else "key-bound, not MACed")
+    return StorageSetup(engine, seed, options, cc.hicache_storage_backend)
 
 
 def storage_worker(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, host_pool: HostKVPool,

@@ -32,6 +32,7 @@ import torch
 import zmq
 
 from hicache.runtime.parallel import TensorParallel
+from hicache.tiers.base import LoadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,17 @@ def pack_slots(t: torch.Tensor) -> bytes:
 
 def unpack_slots(b: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(b, dtype=np.int64).copy())
+
+
+def pack_spec(spec: LoadSpec) -> list:
+    """A `LoadSpec` as message fields: [skip, repair host slots, repair device slots] (None: no repair)."""
+    return [spec.skip, *(pack_slots(t) for t in spec.repair)] if spec.repair is not None else [spec.skip, None, None]
+
+
+def unpack_spec(skip: int, repair_host: bytes | None, repair_device: bytes | None) -> LoadSpec:
+    if repair_host is None:
+        return LoadSpec(skip)
+    return LoadSpec(skip, (unpack_slots(repair_host), unpack_slots(repair_device)))
 
 
 def rank_device(device: str, rank: int) -> str:

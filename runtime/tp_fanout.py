@@ -19,15 +19,16 @@ scheduler and the cache brain already use (neither knows about ranks).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Callable
 
 import torch
 
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.batch import BatchPlan
 from hicache.runtime.runner import ModelRunner
-from hicache.runtime.tp import RankGroup, pack_slots
-from hicache.tiers.base import StorageOps, StorageResult, TransferResult
+from hicache.runtime.tp import RankGroup, pack_slots, pack_spec
+from hicache.tiers.base import WHOLE, LoadSpec, StorageOps, StorageResult, TransferResult
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 
 
@@ -98,11 +99,11 @@ class TransferFanout:
         self.ranks.send(["backup", pack_slots(device_slots), pack_slots(host_slots)])
         return self.local.backup(device_slots, host_slots)
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer: Callable | None = None,
-             skip: int = 0) -> int:
-        self.ranks.send(["load", pack_slots(host_slots), pack_slots(device_slots), skip])
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer: Callable[[int], None] | None = None,
+             spec: LoadSpec = WHOLE) -> int:
+        self.ranks.send(["load", pack_slots(host_slots), pack_slots(device_slots), *pack_spec(spec)])
         self._loads_held = True
-        return self.local.load(host_slots, device_slots, on_layer, skip)
+        return self.local.load(host_slots, device_slots, on_layer, spec)
 
     def start_loads(self, whole: bool = False) -> None:
         if self._loads_held:
@@ -129,8 +130,13 @@ class TransferFanout:
             out.append(res._replace(ok=False, nbytes=0, error="; ".join(errors)) if errors and res.ok else res)
         return out
 
-    def __getattr__(self, name: str):  # wait_layer, ordered_after, in_flight: rank 0's own
-        return getattr(self.local, name)
+    def ordered_after(self, event: Any) -> AbstractContextManager:
+        """Rank 0's copies follow `event`; a follower's stream order is its own (it runs no step ahead)."""
+        return self.local.ordered_after(event)
+
+    def wait_layer(self, ticket: int, layer: int | None = None) -> None:
+        """Rank 0's pass waits for its own copy; a follower's waits come with the step's plan."""
+        self.local.wait_layer(ticket, layer)
 
 
 class StorageFanout(StorageOps):
@@ -200,8 +206,16 @@ class StorageFanout(StorageOps):
         self._collect()
         return any(all(p is not None for p in parts) for parts in self._parts.values())
 
-    def __getattr__(self, name: str):  # status, stats, close: rank 0's own
-        return getattr(self.local, name)
+    def status(self) -> str:
+        """Rank 0's backend's (each rank's backend is alike)."""
+        return self.local.status()
+
+    def stats(self) -> dict:
+        return self.local.stats()
+
+    def close(self) -> None:
+        """Rank 0's worker; the followers close theirs when they stop."""
+        self.local.close()
 
 
 def _combine(parts: list[StorageResult]) -> StorageResult:

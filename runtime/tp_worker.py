@@ -25,7 +25,7 @@ from hicache.runtime.batch import BatchPlan
 from hicache.runtime.build import RankParts, build_rank, storage_on, storage_worker
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.runner import ModelRunner
-from hicache.runtime.tp import join_group, rank_device, rendezvous, unpack_slots
+from hicache.runtime.tp import join_group, rank_device, rendezvous, unpack_slots, unpack_spec
 
 logger = logging.getLogger("hicache.tp_worker")
 
@@ -94,8 +94,10 @@ class Follower:
     def on_backup(self, device_slots: bytes, host_slots: bytes) -> None:
         self.transfer.backup(unpack_slots(device_slots), unpack_slots(host_slots))
 
-    def on_load(self, host_slots: bytes, device_slots: bytes, skip: int) -> None:
-        self.transfer.load(unpack_slots(host_slots), unpack_slots(device_slots), skip=skip)
+    def on_load(self, host_slots: bytes, device_slots: bytes, skip: int, repair_host: bytes | None,
+                repair_device: bytes | None) -> None:
+        self.transfer.load(unpack_slots(host_slots), unpack_slots(device_slots),
+                           spec=unpack_spec(skip, repair_host, repair_device))
 
     def on_start_loads(self, whole: bool) -> None:
         self.transfer.start_loads(whole)

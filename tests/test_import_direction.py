@@ -88,7 +88,8 @@ def test_checker_catches_a_bad_import():
 
 SCHEDULING = (*sorted(str(p.relative_to(ROOT)) for p in (ROOT / "runtime/scheduler").glob("*.py")), "runtime/policy.py")
 CACHE_SURFACE = {"hicache.manager"}  # what the scheduling modules may import from the cache room
-CACHE_INTERNALS = (".controller", ".tree", ".allocator", ".req_table", ".storage", ".transfer")
+CACHE_INTERNALS = (".host", ".controller", ".tree", ".allocator", ".req_table", ".storage", ".windows", ".decider",
+                   ".transfer")
 
 
 def cache_imports(path: Path) -> set[str]:
@@ -98,7 +99,7 @@ def cache_imports(path: Path) -> set[str]:
 
 def test_scheduler_reaches_the_cache_through_the_manager_only():
     """The scheduler, its overlap loop and its policy import nothing of the cache room but the
-    manager, and touch none of the manager's parts (controller, tree, allocator, table, L3)."""
+    manager, and touch none of the manager's parts (host transfers, tree, allocator, table, L3, window policy)."""
     for rel in SCHEDULING:
         path = ROOT / rel
         assert cache_imports(path) <= CACHE_SURFACE, f"{rel} imports {cache_imports(path) - CACHE_SURFACE}"
@@ -108,7 +109,7 @@ def test_scheduler_reaches_the_cache_through_the_manager_only():
 
 
 def test_surface_checker_catches_a_reach():
-    source = "from hicache.tree import RadixTree\nx = sched.cache.controller.transfer\n"
+    source = "from hicache.tree import RadixTree\nx = sched.cache.host.transfer\n"
     tree = ast.parse(source)
     assert any(isinstance(n, ast.Attribute) and "." + n.attr in CACHE_INTERNALS for n in ast.walk(tree))
     assert room_of("hicache.tree") == "hicache" and "hicache.tree" not in CACHE_SURFACE

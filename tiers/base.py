@@ -5,7 +5,8 @@ interfaces, so it can be tested on CPU with fakes.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -186,36 +187,62 @@ class TransferResult(NamedTuple):
     error: str | None = None
 
 
+class LoadSpec(NamedTuple):
+    """How a load's windowed layers differ from its other layers (`TransferEngine.load`): over a
+    device pool with sliding-window layers they copy only the slots from the `skip`-th on (their
+    KV before is never read), plus `repair` (host slots, device slots), both [r] int64 CPU: tokens
+    already on L1 whose window parts alone are being restored. An engine without windowed layers
+    ignores it."""
+
+    skip: int = 0
+    repair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+WHOLE = LoadSpec()  # every layer of every slot
+
+
 class TransferEngine(Protocol):
     """Moves KV pages between L1 and L2. Only the scheduler thread calls these.
 
     `backup` copies all layers of `device_slots` to `host_slots` in one operation; `load` copies
-    `host_slots` to `device_slots` layer by layer, calling `on_layer(i)` when layer i has landed
-    (on CUDA: after recording layer i's event, so attention of layer i can wait for it alone).
-    Both return a ticket at once; completion (or failure: an exception in the copy is caught and
-    reported, never raised) shows up in a later `poll()`, which never blocks. Slots are [n] int64,
-    CPU. The caller keeps the source and destination slots alive until the ticket completes.
-    `synchronize(ticket)` blocks until that ticket is done: for the rare path that must (L1
-    eviction under write_back), never for the hot path. An engine may also offer
-    `wait_layer(ticket, layer)` (layer None: all): order the compute that follows after that layer
-    of a load, without blocking the host (`CacheController.layer_waiter` falls back to
-    `synchronize` where it is missing). Such an engine may hold a load back until
-    `start_loads(whole)` (or the first `wait_layer` on it), so that the loads of one batch are
-    queued together, layer by layer: the scheduler calls it once its plan is made
-    (`CacheController.start_loads`; `whole`: queue every layer now, no pass paces them).
+    `host_slots` to `device_slots` layer by layer (`spec`: what its windowed layers copy), calling
+    `on_layer(i)` when layer i has landed (on CUDA: after recording layer i's event, so attention
+    of layer i can wait for it alone). Both return a ticket at once; completion (or failure: an
+    exception in the copy is caught and reported, never raised) shows up in a later `poll()`,
+    which never blocks. Slots are [n] int64, CPU. The caller keeps the source and destination
+    slots alive until the ticket completes.
     """
 
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> int: ...
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer=None) -> int:
-        """(An engine over a device pool with sliding-window layers also takes `skip`, the leading
-        slots whose windowed layers it leaves out, and `repair`, the (host, device) slots of
-        tokens on L1 whose windowed layers alone it copies: `HostTransferEngine.load`.)"""
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, on_layer: Callable[[int], None] | None = None,
+             spec: LoadSpec = WHOLE) -> int: ...
+
+    def start_loads(self, whole: bool = False) -> None:
+        """Queues the loads submitted so far: an engine may hold a load back until this call (or
+        the first `wait_layer` on it), so that one batch's loads are queued together, layer by
+        layer; the scheduler calls it once its plan is made. `whole`: every layer now, no forward
+        pass paces them. An engine that copies at once does nothing."""
+        ...
+
+    def ordered_after(self, event: Any) -> AbstractContextManager:
+        """A context in which new copies follow only the device work queued before `event` (a
+        compute-stream event; None: all of it). The caller vouches that no compute after `event`
+        touches their slots. An engine without streams returns a context that changes nothing."""
+        ...
+
+    def wait_layer(self, ticket: int, layer: int | None = None) -> None:
+        """Orders the compute that follows after layer `layer` of load `ticket` (None: every
+        layer), without blocking the host where the engine can; an engine without per-layer
+        events blocks until the load is done."""
         ...
 
     def poll(self) -> list[TransferResult]: ...
 
-    def synchronize(self, ticket: int) -> None: ...
+    def synchronize(self, ticket: int) -> None:
+        """Blocks until that ticket is done: for the rare path that must (L1 eviction under
+        write_back), never for the hot path."""
+        ...
 
 
 class StorageBackend(Protocol):

@@ -21,7 +21,7 @@ A running request `lock`s its matched node so the path cannot be evicted from L1
 Window parts: where L1 keeps a model's sliding-window layers apart (`tiers.base.WindowedPageAllocator`),
 a node's L1 slots may lack their windowed-layer KV (tombstones); with an L2, every such node has
 its L2 copy. A match ends where the window before it is held, or names what a load-back restores
-(`hicache/tree/window.py`, `RadixTree.match`).
+(`hicache/window.py`).
 
 L3 page keys: the storage controller caches the chained keys of a node's pages on the node
 (`page_keys`, computed once from the parent's last key); `_split` divides them between the halves.

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from hicache.pagekey import chain_keys
-from hicache.tiers.base import window_of
 
 if TYPE_CHECKING:
     from hicache.tree import RadixTree, TreeNode
@@ -53,13 +52,21 @@ def check_tree(tree: RadixTree, held_slots: torch.Tensor | None = None,
         f"counters locked/evictable {tree._locked}/{tree._evictable}, actual {locked}/{unlocked}")
     host_total = sum(s.numel() for s in host)
     assert host_total == tree._host, f"host token counter {tree._host}, actual {host_total}"
-    _check_slots("device", tree.allocator, _cat(device), held_slots)
-    if window_of(tree.allocator):
-        _check_windows(tree, _cat(device), held_slots)
+    check_slots("device", tree.allocator, _cat(device), held_slots)
     if tree.host_allocator is not None:
-        _check_slots("host", tree.host_allocator, _cat(host), held_host_slots)
+        check_slots("host", tree.host_allocator, _cat(host), held_host_slots)
     else:
         assert not host, "host slots in a tree without a host allocator"
+
+
+def check_locks(tree: RadixTree, want: dict[TreeNode, int]) -> None:
+    """Every node's direct locks equal `want` (node -> locks its holders account for), and every
+    node in `want` is in the tree."""
+    for node in tree.nodes():
+        assert node.direct_locks == want.get(node, 0), (
+            f"{node!r}: {node.direct_locks} direct locks, requests and transfers account for {want.get(node, 0)}")
+    missing = [n for n in want if n.parent is None]
+    assert not missing, f"locks held on nodes no longer in the tree: {missing[:3]}"
 
 
 def _check_node(tree: RadixTree, node: TreeNode) -> None:
@@ -85,38 +92,6 @@ def _check_node(tree: RadixTree, node: TreeNode) -> None:
     assert not node.stale or node.device_slots is not None, f"{node!r}: stale without a device copy"
 
 
-def _check_windows(tree: RadixTree, owned: torch.Tensor, held: torch.Tensor | None) -> None:
-    """The windowed layers' pool: window parts whole pages; every window slot free or the part
-    of one tree-owned or held slot (none of a free slot); with an L2, a tree node lacking some
-    window part has its L2 copy (which is whole: the window part was dropped after the backup)."""
-    a, ps = tree.allocator, tree.page_size
-    held = torch.empty(0, dtype=torch.int64) if held is None else held.to(torch.int64).reshape(-1)
-    for name, slots in (("tree", owned), ("held", held)):
-        present = a.window_present(slots).view(-1, ps)
-        assert bool((present.all(1) | ~present.any(1)).all()), f"a {name} page holds part of its window part"
-    assert not bool(a.window_present(a.free_slots()).any()), "a free slot holds a window part"
-    parts = a.window_slots(torch.cat([owned, held]))
-    parts = parts[parts >= 0]
-    _check_slots("window", _WindowView(a), parts, None)
-    if tree.host_allocator is not None:
-        for node in tree.nodes():
-            if node.device_slots is not None and not bool(a.window_present(node.device_slots).all()):
-                assert node.host_slots is not None, f"{node!r}: a tombstone on L1 without an L2 copy"
-
-
-class _WindowView:
-    """The windowed layers' pool of a `WindowedPageAllocator`, as `_check_slots` reads an allocator."""
-
-    def __init__(self, allocator):
-        self._a = allocator
-
-    def free_slots(self) -> torch.Tensor:
-        return self._a.free_window_slots()
-
-    def capacity_tokens(self) -> int:
-        return self._a.window_capacity_tokens()
-
-
 def _check_page_keys(tree: RadixTree, node: TreeNode, seed: Callable[[str], bytes] | None) -> None:
     keys, parent = node.page_keys, node.parent
     if keys is None:
@@ -132,7 +107,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-def _check_slots(tier: str, allocator, owned: torch.Tensor, held: torch.Tensor | None) -> None:
+def check_slots(tier: str, allocator, owned: torch.Tensor, held: torch.Tensor | None) -> None:
     free = allocator.free_slots().to(torch.int64)
     held = torch.empty(0, dtype=torch.int64) if held is None else held.to(torch.int64).reshape(-1)
     sets = (("tree", owned), ("free", free), ("held", held))

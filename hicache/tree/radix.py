@@ -1,20 +1,19 @@
-"""`RadixTree`: the page-granular prefix tree (match, insert, split, locks, reset)."""
+"""`RadixTree`: the page-granular prefix tree (match, insert, split, residency on L1 and L2, eviction, locks, reset)."""
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, UseClock, get_strategy, smoothed_gap
-from hicache.tiers.base import PageAllocator, window_of
+from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
-from hicache.tree.residency import Residency
-from hicache.tree.window import window_end, window_held
 
 
-class RadixTree(Residency):
+class RadixTree:
     """Page-granular prefix cache over L1 (and, given `host_allocator`, L2) slots. See the package
     docstring for the contracts."""
 
@@ -58,17 +57,15 @@ class RadixTree(Residency):
 
     # ---- match / insert -------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], namespace: str = "", whole: bool = False) -> MatchResult:
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
         """Longest page-aligned prefix of `token_ids` cached in `namespace`, on L1 then L2.
 
         Splits the last matched node when the match ends inside it, so `last_node` (and
         `last_host_node`) cover exactly the matched prefix; refreshes `last_access` on the path. A
-        stale node ends the match. When L1 keeps the windowed layers' KV apart and the window before
-        the match's end lacks window parts on L1, a tree with an L2 names the tokens whose window
-        parts a load-back restores (`repair`); one without is cut back to `device_prefix`. `whole`:
-        what the tree holds, window parts aside (as an L3 prefetch asks). The result is
-        not locked: call `lock(last_node)` before anything may evict. Matching in a namespace that
-        holds nothing returns a fresh root that is not kept (matching never grows the tree).
+        stale node ends the match. What the tree holds, window parts aside (`hicache/window.py`
+        fits a match to a sliding window). The result is not locked: call `lock(last_node)` before
+        anything may evict. Matching in a namespace that holds nothing returns a fresh root that
+        is not kept (matching never grows the tree).
         """
         tokens = _as_tokens(token_ids)
         root = self._roots.get(namespace) or TreeNode(namespace=namespace)
@@ -89,29 +86,7 @@ class RadixTree(Residency):
             else:
                 host += len(node.key)
         slots = torch.cat([n.device_slots for n in devs]) if devs else _empty_slots()
-        match = MatchResult(slots, last, host, deepest)
-        end = slots.numel() + host
-        if whole or window_held(self.allocator, slots, self.page_size, end):
-            return match
-        if self.host_allocator is not None:  # every tombstone on L1 has its L2 copy
-            window = window_of(self.allocator)
-            return match._replace(repair=slots.numel() - max(0, end - window) // self.page_size * self.page_size)
-        return self.device_prefix(match)
-
-    def device_prefix(self, match: MatchResult) -> MatchResult:
-        """What of `match` a request may resume after without loading its L2 part: its L1 part,
-        cut back where L1 keeps the windowed layers apart and the window before its end is not
-        held there (`hicache/tree/window.py`), splitting the node the cut falls in."""
-        slots = match.device_slots
-        end = window_end(self.allocator, slots, self.page_size)
-        if end == slots.numel() and not match.host_hit_tokens:
-            return match
-        node, stop = match.last_node, slots.numel()  # node: the tokens [stop - len(key), stop)
-        while node.parent is not None and stop - len(node.key) >= end:
-            stop, node = stop - len(node.key), node.parent
-        if node.parent is not None and stop > end:
-            node = self._split(node, end - stop + len(node.key))
-        return MatchResult(slots[:end], node, 0, node)
+        return MatchResult(slots, last, host, deepest)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, namespace: str = "") -> int:
         """Cache the page-aligned prefix of `token_ids`, whose KV is in `slots` ([len] int64, CPU).
@@ -281,6 +256,172 @@ class RadixTree(Residency):
 
     def _page(self, key: tuple[int, ...]) -> tuple[int, ...]:
         return key[:self.page_size]
+
+    # ---- residency ------------------------------------------------------------------------
+
+    def _set_device(self, node: TreeNode, slots: torch.Tensor) -> None:
+        node.device_slots = slots
+        if node.lock_ref:
+            self._locked += len(node.key)
+        else:
+            self._evictable += len(node.key)
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _drop_device(self, node: TreeNode) -> None:
+        """Frees the node's L1 slots; the node stays (host-only) or is about to be deleted."""
+        assert node.lock_ref == 0, f"{node!r}: dropping locked device pages"
+        self.allocator.free(node.device_slots)
+        node.device_slots, node.stale = None, False
+        self._evictable -= len(node.key)
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _refresh(self, node: TreeNode | None) -> None:
+        """Recomputes whether `node` is a device leaf (on L1, no child on L1)."""
+        if node is None or node.parent is None:
+            return
+        if node.device_slots is not None and all(c.device_slots is None for c in node.children.values()):
+            self._device_leaves.add(node)
+        else:
+            self._device_leaves.discard(node)
+
+    def load_chain(self, last_host_node: TreeNode) -> list[TreeNode]:
+        """The host-only nodes from the first one below the L1 part down to `last_host_node`,
+        root side first (empty when `last_host_node` is on L1)."""
+        chain, node = [], last_host_node
+        while node is not None and node.parent is not None and node.device_slots is None:
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def attach_device(self, nodes: list[TreeNode], slots: torch.Tensor) -> None:
+        """Gives the host-only `nodes` (a `load_chain`) L1 copies: consecutive parts of `slots`,
+        which the tree now owns. Lock the last node before anything may evict."""
+        pos = 0
+        for node in nodes:
+            assert node.device_slots is None and node.parent.device_slots is not None, f"{node!r}: not loadable"
+            self._set_device(node, slots[pos:pos + len(node.key)].clone())
+            pos += len(node.key)
+        assert pos == slots.numel(), f"{slots.numel()} slots for {pos} tokens"
+
+    def attach_host(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Records `slots` ([len(key)] int64, host allocator's) as the node's L2 copy."""
+        assert node.host_slots is None and slots.shape == (len(node.key),), f"{node!r}: bad host attach"
+        node.host_slots = slots
+        self._host += len(node.key)
+
+    def detach_host(self, node: TreeNode) -> None:
+        """Frees the node's L2 copy (it must stay on L1 and be unpinned)."""
+        assert node.device_slots is not None and node.host_pin == 0, f"{node!r}: cannot leave L2"
+        self._drop_host(node)
+
+    def _drop_host(self, node: TreeNode) -> None:
+        self.host_allocator.free(node.host_slots)
+        node.host_slots = None
+        self._host -= len(node.key)
+
+    def _remove(self, node: TreeNode) -> TreeNode:
+        """Gives back a childless unlocked node's slots on both tiers and unlinks it."""
+        if node.device_slots is not None:
+            self._drop_device(node)
+        if node.host_slots is not None:
+            self._drop_host(node)
+        return self._delete_leaf(node)
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
+        """Frees L1 slots of unlocked device leaves, lowest strategy priority first, until at least
+        `num_tokens` are freed or nothing is evictable. A node L2 holds stays (host-only); for a
+        node only L1 holds, `backup(node)` may copy it down first (True: it now has a complete L2
+        copy); otherwise the node is deleted with its host-only subtree, unless a transfer pins
+        some of it. A parent left without children on L1 becomes a candidate. Returns the L1
+        tokens freed."""
+        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._device_leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if node not in self._device_leaves or node.lock_ref:
+                continue
+            parent = node.parent
+            if node.host_slots is None and backup is not None and node.parent is not None:
+                backup(node)
+            if node.host_slots is not None:
+                self._drop_device(node)
+            elif self._subtree_unpinned(node):
+                self._remove_subtree(node)
+                self._age(len(node.key))
+            else:
+                continue
+            freed += len(node.key)
+            if parent in self._device_leaves and parent.lock_ref == 0:
+                heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Frees L2 slots of host-only leaves no transfer pins, lowest priority first, deleting
+        them, until at least `num_tokens` are freed. Returns the L2 tokens freed."""
+        def candidate(n: TreeNode) -> bool:
+            return not n.children and n.device_slots is None and n.host_pin == 0 and n.parent is not None
+
+        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._leaves if candidate(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not candidate(node):
+                continue
+            freed += len(node.key)
+            self._age(len(node.key))
+            parent = self._remove(node)
+            if not parent.is_root and candidate(parent):
+                heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
+        return freed
+
+    def _age(self, deleted: int) -> None:
+        """Under an aging strategy: halves every hit count once the tree has deleted as many
+        tokens as its largest tier holds."""
+        if not self._aging:
+            return
+        self._deleted += deleted
+        tiers = [a.capacity_tokens() for a in (self.allocator, self.host_allocator) if a is not None]
+        if self._deleted >= max(tiers):
+            self._deleted = 0
+            for n in self.nodes():
+                n.hit_count >>= 1
+
+    def evict_subtree(self, node: TreeNode) -> bool:
+        """Drops the L1 copies of `node` and of everything below it: nodes L2 holds stay
+        (host-only), the others are deleted with their subtrees. False, changing nothing, while
+        any of them is locked or a deletion would free pinned host pages."""
+        sub = [n for n in self._subtree(node) if n.device_slots is not None]
+        if any(n.lock_ref for n in sub) or not all(n.host_slots is not None or self._subtree_unpinned(n) for n in sub):
+            return False
+        for n in reversed(sub):  # children first
+            if n.host_slots is not None:
+                self._drop_device(n)
+            else:
+                self._remove_subtree(n)
+        return True
+
+    def _subtree_unpinned(self, node: TreeNode) -> bool:
+        return all(n.host_pin == 0 for n in self._subtree(node))
+
+    def _remove_subtree(self, node: TreeNode) -> None:
+        for n in reversed(self._subtree(node)):  # children before parents
+            self._remove(n)
+
+    @staticmethod
+    def _subtree(node: TreeNode) -> list[TreeNode]:
+        """`node` and its descendants, parents before children."""
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
 
     # ---- locks ----------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ class OutputProcessor:
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
             req.kv_len += plan.extend_lens[i]
-            self.cache.trim_window(req.lease, req.kv_len)
+            self.cache.advance(req.lease, req.kv_len)
             if plan.mode == "extend" and not (plan.joined and plan.past_prompt(i)):
                 self._prompt_computed(req, plan.extend_lens[i], out.input_logprobs[i])
             if out.next_ids[i] is not None:
@@ -89,7 +89,7 @@ class OutputProcessor:
         forced, reason = self.jump(req)
         if reason is not None:
             self.queue.remove(req)
-            self.cache.dequeued(req.rid)
+            self.cache.dequeued(req.lease)
             self.counters["requests_finished"] += 1
         if forced:
             self.emit(req, forced, reason, None)

@@ -169,10 +169,8 @@ class OverlapLoop:
         still in flight (one whose load has landed joins the next step; the launched step, which
         waits for no load, holds none of them)."""
         s = self.sched
-        s.cache.collect()
         parked = self.queue.running_in(Status.LOADING)
-        for r in parked:
-            s.cache.refresh(r.lease)
+        s.cache.collect([r.lease for r in parked])
         return sum(r.status is Status.LOADING for r in parked)
 
     def _still_blocked(self) -> bool:

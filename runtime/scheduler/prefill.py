@@ -75,7 +75,7 @@ class PrefillPlanner:
                                                                               r.namespace).tokens)
         for req in look_at(self.queue.waiting):  # its grammar did not compile
             self.queue.remove(req)
-            self.cache.dequeued(req.rid)
+            self.cache.dequeued(req.lease)
             self.output.reject(req.rid, req.grammar.error)
         for req in self.policy.order(self.queue.waiting, cached):
             if budget <= 0 or not self.policy.admits_more(self.queue.running_count()) or id(req) in ahead:
@@ -84,7 +84,7 @@ class PrefillPlanner:
                 break  # L1 left for the next step's load-backs (runtime/scheduler/overlap.py)
             if req.grammar is not None and not req.grammar.seen_ready:
                 continue  # its grammar is compiling
-            got = self.cache.prefetch_ready(req.rid)
+            got = self.cache.prefetch_ready(req.lease)
             req.prefetch_wait = got is None
             if got is None:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
@@ -132,7 +132,7 @@ class PrefillPlanner:
             req.kv_len = 0
             return 0
         self.queue.admit(req)
-        self.cache.dequeued(req.rid)
+        self.cache.dequeued(req.lease)
         if req.cached_tokens is None:
             self.counters.count_cached(req, got.prefix, got.loaded)
         return n

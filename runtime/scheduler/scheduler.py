@@ -57,7 +57,7 @@ class Scheduler:
                                 self.stop_checker, self.context_length, self.counters)
         overlap = rc.enable_overlap_schedule or (cuda and not rc.disable_overlap_schedule)
         prefill_ahead = overlap and not rc.disable_prefill_ahead
-        self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
+        self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens, prefill_ahead,
                                    self.cache.has_host_tier, cuda)
         self.queue = QueueState()
         self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
@@ -85,7 +85,7 @@ class Scheduler:
         parsed the sampling parameters). Raises ValueError naming the bad field; returns the
         request's sampling parameters."""
         check_prompt(req.input_ids, req.sampling_params.max_new_tokens, self.model_config.vocab_size,
-                     self.context_length, self.cache.capacity_tokens())
+                     self.context_length, self.cache.capacity_tokens)
         check_logprob_start(req.logprob_start_len, len(req.input_ids))
         if req.sampling_params.grammar is not None and self.tokenizer is None:
             raise ValueError(f"{req.sampling_params.grammar[0]}: this model has no tokenizer to compile grammars for")
@@ -106,7 +106,7 @@ class Scheduler:
         if params.grammar is not None:
             req.grammar = self.grammars.start(*params.grammar)
         self.queue.add(req)  # max_new_tokens 0 too: its prompt is computed (log-probs) and cached
-        self.cache.prefetch(req.rid, req.all_ids[:-1], req.namespace)
+        self.cache.prefetch(req.lease, req.all_ids[:-1])
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
         """Runs one greedy request (a prefill, then decode steps) before serving, so that the
@@ -132,7 +132,7 @@ class Scheduler:
         if req is None:
             return
         self.queue.remove(req)
-        self.cache.dequeued(rid)
+        self.cache.dequeued(req.lease)
         self.memory.release(req)
         self.counters["requests_aborted"] += 1
         self.output.emit(req, [], {"type": "abort"}, None)
@@ -201,10 +201,12 @@ class Scheduler:
         else:
             self.memory.poll_transfers()
             plan = self.prefill.plan() or self.decode.plan()
-        if plan is not None:  # load-backs in flight: each layer's attention waits for its own layer, on
-            # the device; process_result settles them before any token goes out
-            plan.loads = self.cache.load_handle([r.lease for r in plan.reqs])
-        self.cache.start_loads(whole=after is None and self.policy.parked(self.queue.running, plan))
+        # load-backs in flight: each layer's attention waits for its own layer, on the device;
+        # process_result settles them before any token goes out
+        loads = self.cache.start_loads([r.lease for r in plan.reqs] if plan is not None else [],
+                                       whole=after is None and self.policy.parked(self.queue.running, plan))
+        if plan is not None:
+            plan.loads = loads
         if plan is not None and plan.loads is not None:
             plan.rng_states = {id(r): r.generator.get_state() for r, s in zip(plan.reqs, plan.sample)
                                if r.status is Status.LOADING and s and r.generator is not None}

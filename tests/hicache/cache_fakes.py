@@ -5,6 +5,7 @@ among the test folders, so that no other helper module can shadow it.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -96,7 +97,7 @@ class FakeTransfer:
         src, dst = device_slots.tolist(), host_slots.tolist()
         return self._submit("backup", len(src), lambda: self.host.update({d: self.device.get(s) for s, d in zip(src, dst)}))
 
-    def load(self, host_slots, device_slots, on_layer=None) -> int:
+    def load(self, host_slots, device_slots, on_layer=None, spec=None) -> int:
         src, dst = host_slots.tolist(), device_slots.tolist()
         return self._submit("load", len(src), lambda: self.device.update({d: self.host.get(s) for s, d in zip(src, dst)}))
 
@@ -134,6 +135,15 @@ class FakeTransfer:
 
     def synchronize(self, ticket: int) -> None:
         self.complete(ticket)
+
+    def wait_layer(self, ticket: int, layer: int | None = None) -> None:  # no per-layer events: the whole copy
+        self.complete(ticket)
+
+    def start_loads(self, whole: bool = False) -> None:  # copies start when submitted
+        pass
+
+    def ordered_after(self, event):
+        return contextlib.nullcontext()
 
     def in_flight(self) -> int:
         return len(self._queue)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from hicache.controller import CacheController
 from hicache.manager import CacheManager, Lease
 from hicache.tree import RadixTree
 import cache_fakes as fakes
@@ -145,8 +144,8 @@ def play(policy: str, w: Workload) -> list[float]:
     alloc = fakes.FakeAllocator(device_pages, PS)
     host_pool = fakes.FakeHostPool(host_pages, PS)
     tree = RadixTree(alloc, PS, policy, host_allocator=host_pool.allocator)
-    cache = CacheManager(CacheController(tree, host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1),
-                         fakes.FakeTable(w.in_flight + 1))
+    cache = CacheManager.build(tree, fakes.FakeTable(w.in_flight + 1), host_pool, fakes.FakeTransfer({}, {}),
+                               load_back_min_tokens=1)
     held: list[tuple[Lease, Request]] = []
     rates = []
     for rnd in (list(w.warmup), *w.rounds):

@@ -33,8 +33,8 @@ class Harness:
 
     def start(self, rid, tokens, ns="", extra=0):
         """Admission: match, lock, load back, allocate and 'compute' the rest."""
-        m = self.ctrl.match(tokens, ns)
-        self.ctrl.lock(m.last_node)
+        m = self.tree.match(tokens, ns)
+        self.tree.lock(m.last_node)
         last, slots, host = m.last_node, m.device_slots, 0
         lb = self.ctrl.load_back(m, extra)
         if not lb.refused:
@@ -45,7 +45,7 @@ class Harness:
             self.ctrl.evict_device(need - self.alloc.num_free_tokens())
         fresh = self.alloc.alloc(need)
         if fresh is None:  # no room: give up, holding nothing (what was loaded stays cached)
-            self.ctrl.unlock(last)
+            self.tree.unlock(last)
             self.check()
             return None
         for i, s in enumerate(fresh[: len(tokens) - prefix].tolist()):
@@ -63,7 +63,7 @@ class Harness:
         aligned = kv // self.ps * self.ps
         self.alloc.free(slots[prefix:max(present, prefix)])
         self.alloc.free(slots[max(aligned, prefix):])
-        self.ctrl.unlock(r["last"])
+        self.tree.unlock(r["last"])
         self.check()
         return r
 
@@ -84,6 +84,13 @@ class Harness:
             locks[r["last"]] = locks.get(r["last"], 0) + 1
         self.ctrl.check_integrity(torch.cat(held) if held else None, locks)
 
+    def flush(self) -> bool:
+        """Empties L1 and L2 as `CacheManager.flush` does (no L3 here); False while transfers run."""
+        if not self.ctrl.idle():
+            return False
+        self.ctrl.reset()
+        return True
+
     def evict_all_device(self):
         self.ctrl.evict_device(10**9)
         self.check()
@@ -100,7 +107,7 @@ def test_match_returns_device_part_then_host_continuation():
     assert h.tree.host_tokens() == 12 and h.xfer.submitted == [("backup", 12)]  # write-through on insert
     h.run(a[:6] + seq(4, 100))  # splits the node at 6; the new branch is on both tiers too
     h.ctrl.evict_device(6)  # LRU: the branch [100..] goes first, then the 6 tokens of a's tail
-    m = h.ctrl.match(a + [99])
+    m = h.tree.match(a + [99])
     assert m.device_slots.numel() == 6 and m.host_hit_tokens == 6
     assert m.last_node is not m.last_host_node and m.last_host_node.device_slots is None
     assert len(m.last_node.key) + len(m.last_host_node.key) == 12
@@ -126,9 +133,9 @@ def test_load_back_is_all_or_nothing_with_a_minimum_and_room():
     h = Harness(ps=1, device_pages=12, min_load=5)
     h.run(seq(8))
     h.evict_all_device()
-    m = h.ctrl.match(seq(3) + [99])
+    m = h.tree.match(seq(3) + [99])
     assert m.host_hit_tokens == 3 and h.ctrl.load_back(m).refused == "short"  # under the minimum: recompute
-    m = h.ctrl.match(seq(8))
+    m = h.tree.match(seq(8))
     assert h.ctrl.load_back(m, extra_tokens=5).refused == "room"  # 8 + 5 > 12 slots: nothing moves
     assert h.tree.total_tokens() == 0 and h.alloc.num_free_tokens() == 12
     assert h.ctrl.host_stats()["load_back_deferred"] == 1
@@ -136,7 +143,7 @@ def test_load_back_is_all_or_nothing_with_a_minimum_and_room():
     # Recomputing a host-only prefix gives those nodes their device copy back (no duplicate).
     r = h.run(seq(3) + [99])
     assert r["prefix"] == 0 and h.tree.total_tokens() == 4
-    h.assert_kv(seq(3), h.ctrl.match(seq(3) + [7]).device_slots)
+    h.assert_kv(seq(3), h.tree.match(seq(3) + [7]).device_slots)
 
 
 def test_write_through_selective_backs_up_prompts_at_finish_and_generated_pages_on_reuse():
@@ -145,7 +152,7 @@ def test_write_through_selective_backs_up_prompts_at_finish_and_generated_pages_
     r = h.start("r", a)
     h.ctrl.insert(a, r["slots"], "", prompt_tokens=6)  # as a finish: prompt 6, 4 generated
     h.alloc.free(r["slots"][:0])
-    h.ctrl.unlock(r["last"])
+    h.tree.unlock(r["last"])
     h.open.pop("r")
     h.check()
     assert h.tree.host_tokens() == 6  # the prompt part only
@@ -170,8 +177,8 @@ def test_device_eviction_deletes_what_l2_lacks():
     h.ctrl.insert(seq(4, 300), h.alloc.alloc(4), "")  # generated only: not backed up
     h.check()
     h.evict_all_device()
-    assert h.ctrl.match(seq(4, 300)).host_hit_tokens == 0  # deleted
-    assert h.ctrl.match(seq(5, 200)).host_hit_tokens == 5  # kept, host-only
+    assert h.tree.match(seq(4, 300)).host_hit_tokens == 0  # deleted
+    assert h.tree.match(seq(5, 200)).host_hit_tokens == 5  # kept, host-only
     assert h.ctrl.counters["device_evicted_tokens"] == 9
 
 
@@ -181,8 +188,8 @@ def test_host_eviction_takes_unpinned_host_only_leaves_lru_first():
     h.run(seq(6, 100))  # L2 holds both; L1 holds 8: the first was partly evicted
     h.evict_all_device()
     h.run(seq(6, 200))  # needs 6 host slots: the LRU host-only leaf (seq 0) goes
-    assert h.ctrl.match(seq(6, 0)).host_hit_tokens == 0
-    assert h.ctrl.match(seq(6, 100)).host_hit_tokens == 6
+    assert h.tree.match(seq(6, 0)).host_hit_tokens == 0
+    assert h.tree.match(seq(6, 100)).host_hit_tokens == 6
     assert h.ctrl.host_stats()["evicted_tokens"] == 6
 
 
@@ -217,7 +224,7 @@ def test_failed_load_at_once_is_undone_and_the_request_recomputes():
     r = h.start("r", a + [1, 2])
     assert r["host"] == 0 and r["prefix"] == 0  # recomputed from scratch
     h.finish("r")
-    h.assert_kv(a, h.ctrl.match(a).device_slots)  # the recomputed KV, never the failed copy
+    h.assert_kv(a, h.tree.match(a).device_slots)  # the recomputed KV, never the failed copy
     assert h.ctrl.host_stats()["transfer_failures"] == 1
 
 
@@ -236,12 +243,12 @@ def test_failed_load_in_flight_marks_nodes_stale_until_waiters_are_gone():
     h.xfer.complete()
     failed = h.ctrl.poll()
     assert failed == r["waits"]
-    assert h.ctrl.match(a).device_slots.numel() == 0  # stale nodes are never served
+    assert h.tree.match(a).device_slots.numel() == 0  # stale nodes are never served
     h.finish("r", keep=False)
     h.finish("o", keep=False)
     h.ctrl.drop_stale()
     h.check()
-    m = h.ctrl.match(a)
+    m = h.tree.match(a)
     assert m.device_slots.numel() == 0 and m.host_hit_tokens == 8  # host-only again, L2 intact
     r = h.start("r2", a + [1])
     h.xfer.complete()
@@ -260,14 +267,14 @@ def test_abort_during_load_back_releases_everything_once_the_copy_lands():
     r = h.start("r", a + [1, 2])
     assert r["host"] == 8
     h.finish("r", keep=False)  # aborted before the copy finished
-    assert h.ctrl.flush() is False  # the transfer still pins its pages
+    assert h.flush() is False  # the transfer still pins its pages
     h.ctrl.evict_device(100)
     h.ctrl.tree.evict_host(100)
     assert h.tree.host_tokens() == 8  # pinned and locked: neither tier may take them
     h.xfer.complete()
     assert not h.ctrl.poll()
     h.check()
-    assert h.ctrl.flush() is True
+    assert h.flush() is True
     h.check()
     assert h.alloc.num_free_tokens() == 32 and h.host_pool.allocator.num_free_tokens() == 128
 
@@ -278,7 +285,7 @@ def test_split_during_an_in_flight_backup_keeps_pins_balanced():
     h.run(a)  # backup queued
     h.run(a[:4] + [77])  # splits the node being written
     h.check()
-    assert sorted(len(n.key) for n in h.ctrl.expected_pins()) == [1, 4, 6]  # + the new leaf's backup
+    assert sorted(len(n.key) for n in h.ctrl.transfers.expected_pins()) == [1, 4, 6]  # + the new leaf's backup
     h.xfer.complete()
     h.ctrl.poll()
     h.check()
@@ -291,7 +298,7 @@ def test_write_back_under_eviction_waits_for_the_copy():
     h.run(a)
     h.run(seq(6, 100))  # needs room: `a` is copied down (synchronized) before its pages go
     h.check()
-    assert h.ctrl.match(a).host_hit_tokens > 0
+    assert h.tree.match(a).host_hit_tokens > 0
     r = h.start("r", a + [3])
     h.xfer.complete()
     h.ctrl.poll()
@@ -307,7 +314,7 @@ def test_device_only_parent_of_host_only_children_is_copied_down_or_dropped_with
     assert r["host"] == 4
     h.evict_all_device()
     h.check()
-    assert h.ctrl.match(seq(8)).host_hit_tokens == 8 and h.ctrl.match(seq(4) + [50, 51]).host_hit_tokens == 6
+    assert h.tree.match(seq(8)).host_hit_tokens == 8 and h.tree.match(seq(4) + [50, 51]).host_hit_tokens == 6
 
 
 def test_flush_clears_both_tiers_and_stats_count_moves():
@@ -319,7 +326,7 @@ def test_flush_clears_both_tiers_and_stats_count_moves():
     s = h.ctrl.host_stats()
     assert s["backed_up_tokens"] == 32 + 0 and s["loaded_back_tokens"] == 8
     assert s["used_tokens"] == h.tree.host_tokens() and s["capacity_tokens"] == 128
-    assert h.ctrl.flush()
+    assert h.flush()
     h.check()
     assert h.tree.total_tokens() == h.tree.host_tokens() == 0
     assert h.alloc.num_free_tokens() == 32 and h.host_pool.allocator.num_free_tokens() == 128
@@ -330,9 +337,9 @@ def test_disabled_l2_is_a_thin_layer_over_the_tree():
     ctrl = CacheController(RadixTree(alloc, 1))
     slots = alloc.alloc(4)
     assert ctrl.insert(seq(4), slots) == 0
-    assert ctrl.load_back(ctrl.match(seq(4))).refused == "short"
+    assert ctrl.load_back(ctrl.tree.match(seq(4))).refused == "short"
     assert ctrl.host_stats()["enabled"] is False
-    assert ctrl.evict_device(4) == 4 and ctrl.flush()
+    assert ctrl.evict_device(4) == 4 and ctrl.idle()
     with pytest.raises(ValueError):
         CacheController(RadixTree(alloc, 1), fakes.FakeHostPool(4, 1), None)
 
@@ -374,7 +381,7 @@ def test_random_flows_keep_every_invariant(policy, deferred):
         elif not h.open:
             h.xfer.complete()
             h.ctrl.poll()
-            assert h.ctrl.flush()
+            assert h.flush()
         h.check()
         for r in h.open.values():  # whatever a request was told is cached holds the right KV
             if h.ctrl.loads_done(r["waits"]):
@@ -384,7 +391,7 @@ def test_random_flows_keep_every_invariant(policy, deferred):
         h.finish(rid, keep=False)
     h.ctrl.poll()
     h.ctrl.drop_stale()
-    assert h.ctrl.flush()
+    assert h.flush()
     h.check()
     c = h.ctrl.counters
     assert all(c[k] for k in ("loaded_back_tokens", "transfer_failures", "device_evicted_tokens", "host_evicted_tokens")), dict(c)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.controller import CacheController
 from hicache.decide import PROBE_EVERY, LoadDecider
-from hicache.manager import CacheManager, Lease
+from hicache.manager import CacheManager, Lease, StorageSetup
 from hicache.prefetch import StorageOptions
 from hicache.tree import RadixTree
 import cache_fakes as fakes
@@ -53,38 +52,40 @@ def storage_setup(seconds_per_page: float, mode: str = "measured"):
     alloc = fakes.FakeAllocator(64, PS)
     host_pool = fakes.FakeHostPool(64, PS)
     tree = RadixTree(alloc, PS, host_allocator=host_pool.allocator)
-    ctrl = CacheController(tree, host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1, load_decision=mode)
     engine = fakes.FakeStorage(hits=8, page_bytes=PS * BYTES_PER_TOKEN, seconds_per_page=seconds_per_page)
-    ctrl.attach_storage(engine, b"seed" * 8, StorageOptions(prefetch_threshold=PS), "fake")
-    return ctrl, engine
+    cache = CacheManager.build(tree, fakes.FakeTable(2), host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1,
+                               load_decision=mode,
+                               storage=StorageSetup(engine, b"seed" * 8, StorageOptions(prefetch_threshold=PS), "fake"))
+    return cache, engine
 
 
-def prefetch(ctrl, engine, rid: str, start: int) -> int:
+def prefetch(cache, engine, start: int) -> int:
     """A request whose 8 pages L3 holds arrives; returns the prompt tokens L3 served it."""
     tokens = list(range(start, start + 8 * PS + 1))
-    ctrl.storage.prefetch(rid, tokens, "")
+    lease = Lease("", owner=tokens)
+    cache.prefetch(lease, tokens)
     for _ in range(2):  # the query's answer, then the fetch's (if one started)
         engine.complete()
-        ctrl.poll()
-    got = ctrl.storage.ready(rid)
+        cache.poll([])
+    got = cache.prefetch_ready(lease)
     return got.end - got.start
 
 
 @pytest.mark.parametrize("seconds_per_page, loads", [(0.1, False), (0.0001, True)], ids=["slow", "fast"])
 def test_a_slow_l3_is_recomputed_and_a_fast_one_loaded(seconds_per_page, loads):
-    ctrl, engine = storage_setup(seconds_per_page)
-    assert prefetch(ctrl, engine, "first", 0) == 8 * PS  # not measured yet: loaded, and measured
-    ctrl.decider.record_prefill(1000, 1000 / PREFILL)
-    served = prefetch(ctrl, engine, "second", 10_000)
-    stats = ctrl.storage.stats()
+    cache, engine = storage_setup(seconds_per_page)
+    assert prefetch(cache, engine, 0) == 8 * PS  # not measured yet: loaded, and measured
+    cache.record_prefill(1000, 1000 / PREFILL)
+    served = prefetch(cache, engine, 10_000)
+    stats = cache.storage.stats()
     assert served == (8 * PS if loads else 0)
     assert stats["prefetch_recompute_chosen"] == (0 if loads else 1)
     assert stats["recomputed_by_choice_tokens"] == (0 if loads else 8 * PS)
     assert stats["measured_load_bytes_per_s"] > 0 and stats["measured_prefill_tokens_per_s"] == PREFILL
     slow_always, engine = storage_setup(seconds_per_page, "always")
-    prefetch(slow_always, engine, "first", 0)
-    slow_always.decider.record_prefill(1000, 1000 / PREFILL)
-    assert prefetch(slow_always, engine, "second", 10_000) == 8 * PS
+    prefetch(slow_always, engine, 0)
+    slow_always.record_prefill(1000, 1000 / PREFILL)
+    assert prefetch(slow_always, engine, 10_000) == 8 * PS
 
 
 @pytest.mark.parametrize("seconds, loads", [(10.0, False), (0.0001, True)], ids=["slow", "fast"])
@@ -92,9 +93,9 @@ def test_a_slow_l2_is_recomputed_and_a_fast_one_loaded(seconds, loads):
     alloc = fakes.FakeAllocator(32, PS)
     host_pool = fakes.FakeHostPool(64, PS)
     tree = RadixTree(alloc, PS, host_allocator=host_pool.allocator)
-    ctrl = CacheController(tree, host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1,
-                           load_decision="measured_all")
-    cache = CacheManager(ctrl, fakes.FakeTable(2))
+    cache = CacheManager.build(tree, fakes.FakeTable(2), host_pool, fakes.FakeTransfer({}, {}), load_back_min_tokens=1,
+                               load_decision="measured_all")
+    ctrl = cache.host
     cache.record_prefill(1000, 1000 / PREFILL)
     ctrl.decider.record_load("host", 16 * BYTES_PER_TOKEN, seconds)  # what earlier loads measured
     tokens = list(range(17))

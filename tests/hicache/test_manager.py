@@ -7,7 +7,6 @@ sequence up to i, written by "computing" a request's own slots.
 """
 from __future__ import annotations
 
-from hicache.controller import CacheController
 from hicache.manager import CacheManager, Lease
 from hicache.tree import RadixTree
 import cache_fakes as fakes
@@ -22,7 +21,7 @@ class Setup:
         self.xfer = fakes.FakeTransfer(self.dev, self.host, deferred)
         tree = RadixTree(self.alloc, ps, "lru", host_allocator=self.host_pool.allocator)
         self.table = fakes.FakeTable(rows)
-        self.cache = CacheManager(CacheController(tree, self.host_pool, self.xfer, load_back_min_tokens=1), self.table)
+        self.cache = CacheManager.build(tree, self.table, self.host_pool, self.xfer, load_back_min_tokens=1)
         self.leases: list[Lease] = []
 
     def admit(self, tokens, first_chunk):
@@ -79,13 +78,13 @@ def test_l2_part_is_loaded_back_and_waited_for_through_the_handle():
     s.release(lease, a)
     s.xfer.complete()  # the write-through backup lands
     s.cache.poll([])
-    s.cache.controller.evict_device(10**9)  # L1 forgets it; L2 keeps it
+    s.cache.host.evict_device(10**9)  # L1 forgets it; L2 keeps it
     assert s.cache.match(a, "").host_tokens == 12
     b = a + [7, 8]
     lease, got = s.admit(b, 2)
     assert got.loaded == 12 and lease.loading
-    handle = s.cache.load_handle([lease])
-    assert handle is not None and s.cache.load_handle([Lease()]) is None
+    handle = s.cache.start_loads([lease])
+    assert handle is not None and s.cache.start_loads([Lease()]) is None
     handle.wait_layer(0)  # the fake engine has no per-layer waits: it completes the copy
     handle.settle()
     s.cache.poll([lease])
@@ -103,7 +102,7 @@ def test_failed_load_is_reported_once_and_the_prefix_is_recomputed():
     s.release(lease, a)
     s.xfer.complete()
     s.cache.poll([])
-    s.cache.controller.evict_device(10**9)
+    s.cache.host.evict_device(10**9)
     s.xfer.fail_next("load")
     lease, got = s.admit(a + [1], 1)
     assert got.loaded == 12 and lease.loading

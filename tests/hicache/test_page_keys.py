@@ -1,4 +1,4 @@
-"""L3 page keys cached on tree nodes (hicache/storage.py `_node_keys`, `TreeNode.page_keys`).
+"""L3 page keys cached on tree nodes (hicache/pagekey.py `PageKeys`, `TreeNode.page_keys`).
 
 - After inserts that split nodes (before and after their keys were cached), every node's keys
   equal a recomputation from the root, and `check_integrity(seed=...)` agrees (and catches a
@@ -14,7 +14,9 @@ import types
 import pytest
 
 import hicache.pagekey as pagekey
-from hicache.pagekey import namespace_seed, page_keys
+from hicache.backups import BackupQueue
+from hicache.decide import LoadDecider
+from hicache.pagekey import PageKeys, namespace_seed, page_keys
 from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
 from hicache.tree import RadixTree
@@ -53,7 +55,10 @@ def setup(host_pages=256):
     host = fakes.FakeAllocator(host_pages, PS, seed=1)
     tree = RadixTree(alloc, PS, "lru", host_allocator=host)
     engine = RecordingEngine()
-    storage = StorageController(tree, engine, SEED, StorageOptions(prefetch_threshold=PS), host.alloc, "memory", 100)
+    keys = PageKeys(SEED, PS)
+    backups = BackupQueue(engine, keys, StorageOptions().backup_queue_pages)
+    storage = StorageController(tree, engine, keys, backups, StorageOptions(prefetch_threshold=PS), host.alloc, "memory",
+                                100, LoadDecider("measured", 100))
     return tree, storage, engine
 
 
@@ -79,13 +84,13 @@ def prefix_tokens(node) -> list[int]:
 
 def expected_keys(storage: StorageController, node) -> list[str]:
     """From the root, the way a warm restart computes them."""
-    return page_keys(storage.seed(node.namespace), prefix_tokens(node), PS)[-(len(node.key) // PS):]
+    return page_keys(storage.keys.seed(node.namespace), prefix_tokens(node), PS)[-(len(node.key) // PS):]
 
 
 def check_all(tree: RadixTree, storage: StorageController) -> None:
     for node in tree.nodes():
-        assert storage._node_keys(node) == expected_keys(storage, node), node
-    tree.check_integrity(seed=storage.seed)
+        assert storage.keys.of_node(node) == expected_keys(storage, node), node
+    tree.check_integrity(seed=storage.keys.seed)
 
 
 def seq(start: int, pages: int) -> list[int]:
@@ -97,11 +102,11 @@ def test_keys_survive_splits_before_and_after_caching():
     a = seq(1000, 8)
     insert(tree, a)
     [node_a] = tree.path(a)
-    storage._node_keys(node_a)  # cached, then split three ways below
+    storage.keys.of_node(node_a)  # cached, then split three ways below
     insert(tree, a[:3 * PS] + seq(2000, 2))  # splits A after 3 pages
     insert(tree, a[:6 * PS] + seq(3000, 3))  # splits A's lower part after 3 more
     assert len(tree.path(a)) == 3
-    tree.check_integrity(seed=storage.seed)  # the split keys, before any recomputation
+    tree.check_integrity(seed=storage.keys.seed)  # the split keys, before any recomputation
     check_all(tree, storage)
     insert(tree, a[:PS] + seq(4000, 1))  # splits a node whose keys came from a split
     insert(tree, seq(20000, 4))
@@ -118,10 +123,10 @@ def test_check_integrity_catches_a_wrong_cached_key():
     node = tree.path(b)[-1]
     node.page_keys = list(reversed(node.page_keys))
     with pytest.raises(AssertionError, match="page keys are wrong"):
-        tree.check_integrity(seed=storage.seed)
+        tree.check_integrity(seed=storage.keys.seed)
     node.page_keys = None
-    tree.check_integrity(seed=storage.seed)
-    tree.path(b)[0].page_keys = None  # keys below a parent without: never made by _node_keys
+    tree.check_integrity(seed=storage.keys.seed)
+    tree.path(b)[0].page_keys = None  # keys below a parent without: never made by PageKeys
     with pytest.raises(AssertionError, match="below a parent without"):
         tree.check_integrity()
 
@@ -129,9 +134,9 @@ def test_check_integrity_catches_a_wrong_cached_key():
 def test_backups_after_splits_use_the_keys_a_warm_restart_queries():
     tree, storage, engine = setup()
     a, b = seq(1000, 6), seq(1000, 4) + seq(7000, 3)
-    storage.backup(insert(tree, a))
-    storage.backup(insert(tree, b))  # splits A's node after 4 pages
-    storage.backup(insert(tree, a[:2 * PS] + seq(8000, 2)))  # splits it again, above B's branch
+    storage.backups.add(insert(tree, a))
+    storage.backups.add(insert(tree, b))  # splits A's node after 4 pages
+    storage.backups.add(insert(tree, a[:2 * PS] + seq(8000, 2)))  # splits it again, above B's branch
     stored = {k for keys in engine.backups for k in keys}
     for tokens in (a, b, a[:2 * PS] + seq(8000, 2)):
         assert set(page_keys(SEED, tokens, PS)) <= stored
@@ -140,12 +145,12 @@ def test_backups_after_splits_use_the_keys_a_warm_restart_queries():
 
     # a warm restart: an empty tree over the same store queries keys computed from the root
     tree2, storage2, engine2 = setup()
-    storage2.prefetch("r", b + [1], "")
+    storage2.prefetch(b + [1], "")
     assert engine2.queries == [page_keys(SEED, b, PS)]
     assert set(engine2.queries[0]) <= stored
 
     # a prefetch over a cached prefix hashes only beyond it, with the same keys
-    storage.prefetch("r", a[:4 * PS] + seq(6000, 4), "")
+    storage.prefetch(a[:4 * PS] + seq(6000, 4), "")
     assert engine.queries == [page_keys(SEED, a[:4 * PS] + seq(6000, 4), PS)[4:]]
 
 
@@ -156,9 +161,9 @@ def test_namespaces_separate_cached_keys():
     insert(tree, a, "tenant")
     insert(tree, a[:PS] + seq(5000, 1), "tenant")  # a split in one namespace only
     check_all(tree, storage)
-    plain, salted = (storage._node_keys(tree.path(a, ns)[-1]) for ns in ("", "tenant"))
+    plain, salted = (storage.keys.of_node(tree.path(a, ns)[-1]) for ns in ("", "tenant"))
     assert not set(plain) & set(salted)
-    assert storage.seed("tenant") != storage.seed("")
+    assert storage.keys.seed("tenant") != storage.keys.seed("")
 
 
 @pytest.fixture
@@ -181,14 +186,14 @@ def test_node_keys_hash_only_the_nodes_own_pages(hashes):
         tokens = tokens + seq(1000 * (depth + 1), 3)
         [node] = insert(tree, tokens)
         hashes.clear()
-        storage._node_keys(node)
+        storage.keys.of_node(node)
         assert len(hashes) == 3, f"depth {depth}: {len(hashes)} hashes for a node of 3 pages"
     hashes.clear()
-    storage._node_keys(node)
+    storage.keys.of_node(node)
     assert hashes == []  # cached
     insert(tree, tokens[:-PS] + seq(50000, 2))  # splits the deepest node: no rehash
     assert hashes == []
     [leaf] = [n for n in tree.path(tokens[:-PS] + seq(50000, 2)) if n.page_keys is None]
-    storage._node_keys(leaf)
+    storage.keys.of_node(leaf)
     assert len(hashes) == 2
     check_all(tree, storage)

@@ -1,7 +1,7 @@
 """Gemma 3 and sliding windows, end to end on tiny random models built by HF transformers
 (`from_config`, saved as safetensors), fp32 on CPU: greedy outputs equal HF's, batched, with
 chunked prefill, retractions, radix hits and load-backs from L2 that skip the windowed layers'
-KV before the window (hicache/controller.py: load_back). Also Mistral's sliding window, and a
+KV before the window (hicache/window.py). Also Mistral's sliding window, and a
 tiny Gemma 3 written as a GGUF file.
 The real Gemma 3 270M GGUF is checked in test_gemma3_gguf.py."""
 from __future__ import annotations

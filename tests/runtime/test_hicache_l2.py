@@ -97,11 +97,11 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
     rng = random.Random(f"{policy}{layout}{page_size}{late}{overlap}{os.environ.get('HICACHE_STRESS_SEED', '')}")
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=2.0, page_size=page_size, overlap=overlap,
                            park=park, hicache_write_policy=policy, hicache_mem_layout=layout)
-    real = sched.cache.controller.transfer
+    real = sched.cache.host.transfer
     if late:
-        sched.cache.controller.transfer = LateTransfer(real)
+        sched.cache.host.transfer = LateTransfer(real)
     if policy.startswith("write_through"):  # loads land only when waited for (or late, on their own)
-        ctl = sched.cache.controller
+        ctl = sched.cache.host
         ctl.transfer = LazyTransfer(ctl.transfer, real.device_pool, real.host_pool)
     faults = Faults(sched)
     stems = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
@@ -141,7 +141,7 @@ def test_random_stress_keeps_integrity_and_outputs(tiny_config_path, reference_o
         assert details["device"] + details["host"] == results[rid][1]["cached_tokens"]
     flush(sched)
     assert sched.cache.tree.total_tokens() == sched.cache.tree.host_tokens() == 0
-    host = sched.cache.controller.host_pool.allocator
+    host = sched.cache.host.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()
     if overlap:  # (the default seed's runs do both; another HICACHE_STRESS_SEED may not)
         assert sched.overlap.continued > 0 and sched.overlap.ahead > 0
@@ -171,7 +171,7 @@ def test_idle_scheduler_steps_until_its_copies_land(tiny_config_path):
     and hold its pins, until the next request)."""
     sched = tiny_scheduler(tiny_config_path, total=256, ratio=4.0)
     # copies land a poll later, as on a GPU
-    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.host.transfer = LateTransfer(sched.cache.host.transfer)
     sched.add_request(request("a", list(range(3, 70)), dict(GREEDY, max_new_tokens=4)))
     steps = 0
     while sched.has_work():
@@ -217,9 +217,9 @@ def test_forward_waits_for_each_layer_of_a_load_in_flight(tiny_config_path, refe
     """Requests run while their load-back is in flight (no scheduler wait); each layer's attention
     waits for its own layer: with copies that land only when waited for, outputs stay exact."""
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, page_size=page_size, hicache_mem_layout=layout)
-    real = sched.cache.controller.transfer
+    real = sched.cache.host.transfer
     lazy = LazyTransfer(LateTransfer(real), real.device_pool, real.host_pool)  # backups land late too
-    sched.cache.controller.transfer = lazy
+    sched.cache.host.transfer = lazy
     rng = random.Random(6)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
     got = _two_rounds(sched, convs)
@@ -233,8 +233,8 @@ def first_on_l2(sched: Scheduler, seed: int) -> tuple[LateTransfer, list[list[in
     """Makes the scheduler's copies land late (`LateTransfer`, returned) and runs three 60-token
     conversations one at a time: with L1 at 128 tokens and LRU eviction, the first one's prefix
     is then on L2 only (returned with the others)."""
-    late = LateTransfer(sched.cache.controller.transfer)
-    sched.cache.controller.transfer = late
+    late = LateTransfer(sched.cache.host.transfer)
+    sched.cache.host.transfer = late
     rng = random.Random(seed)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
     for i, p in enumerate(convs):
@@ -291,7 +291,7 @@ def test_host_pool_exhaustion_recomputes(tiny_config_path, reference_outputs):
 def test_failed_transfers_recompute_and_leak_nothing(tiny_config_path, reference_outputs, late):
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0)
     if late:
-        sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
+        sched.cache.host.transfer = LateTransfer(sched.cache.host.transfer)
     faults = Faults(sched)
     rng = random.Random(3)
     convs = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(3)]
@@ -351,8 +351,8 @@ def test_batch_run_on_a_load_that_then_fails_is_dropped_and_recomputed(tiny_conf
     want = drain(ref)["r"][0]
 
     sched = tiny_scheduler(tiny_config_path, total=128, ratio=8.0, radix_eviction_policy="lru")  # b0 from L2
-    late = LateTransfer(sched.cache.controller.transfer)
-    sched.cache.controller.transfer = late
+    late = LateTransfer(sched.cache.host.transfer)
+    sched.cache.host.transfer = late
     faults = Faults(sched)
     for i, p in enumerate(convs):
         sched.add_request(request(f"a{i}", p, dict(GREEDY, max_new_tokens=4)))

@@ -125,7 +125,7 @@ def test_restart_on_the_same_lmdb_is_served_from_storage(tiny_config_path, refer
     cold = run_each(first, ps, "a")
     settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 3 * 88
-    seed = first.cache.storage.seed("")
+    seed = first.cache.storage.keys.seed("")
     first.close()
     flip_a_byte(tmp_path, seed.hex(), page_keys(seed, ps[1], PAGE)[4])  # prompt 1's fifth page
     second = l3_scheduler(tiny_config_path, path=str(tmp_path))
@@ -155,7 +155,7 @@ def test_backups_after_splits_land_under_the_keys_a_restart_queries(tiny_config_
     first = l3_scheduler(tiny_config_path, path=str(tmp_path), io="threads")  # its backend is read here
     run_each(first, ps, "a")
     settle(first)
-    seed = first.cache.storage.seed("")
+    seed = first.cache.storage.keys.seed("")
     backend = first.cache.storage.engine.backend
     for p in ps:
         keys = page_keys(seed, p, PAGE)
@@ -261,7 +261,7 @@ def test_prefetch_policies_against_a_slow_store(tiny_config_path, reference, pol
     settle(sched)
     assert sched.flush_cache()
     sched.check_integrity()
-    host = sched.cache.controller.host_pool.allocator
+    host = sched.cache.host.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()
 
 
@@ -278,7 +278,7 @@ def test_decoding_never_waits_for_a_prefetch(tiny_config_path, reference, overla
     engine, storage = sched.cache.storage.engine, sched.cache.storage
     waits = []  # (timeout, the phases of the prefetches then)
     real_wait = engine.wait
-    engine.wait = lambda timeout: (waits.append((timeout, {op.phase for op in storage._by_rid.values()})),
+    engine.wait = lambda timeout: (waits.append((timeout, {op.phase for op in storage._live})),
                                    real_wait(timeout))
     emitted: dict[str, int] = {}
 
@@ -362,7 +362,7 @@ def test_backend_failures_are_counted_misses(tiny_config_path, reference):
         return real_get(keys, pages)
 
     backend.batch_get = flaky
-    key = backend._prefix + page_keys(sched.cache.storage.seed(""), ps[1], PAGE)[3]  # prompt 1's fourth page
+    key = backend._prefix + page_keys(sched.cache.storage.keys.seed(""), ps[1], PAGE)[3]  # prompt 1's fourth page
     corrupt = bytearray(backend._data[key])
     corrupt[-3] ^= 0xFF
     backend._data[key] = bytes(corrupt)
@@ -425,5 +425,5 @@ def test_random_stress_with_prefetches_keeps_integrity_and_outputs(tiny_config_p
     settle(sched)
     assert sched.flush_cache()
     sched.check_integrity()
-    host = sched.cache.controller.host_pool.allocator
+    host = sched.cache.host.host_pool.allocator
     assert host.num_free_tokens() == host.capacity_tokens()

@@ -83,10 +83,10 @@ def populate(config_path, path, ps, secret=None) -> tuple[bytes, tuple]:
     sched = l3_scheduler(config_path, path=str(path), secret=secret, shards=1, io="threads")  # its environment is tampered with
     run_each(sched, ps, "w")
     settle(sched)
-    seed = sched.cache.storage.seed("")
+    seed = sched.cache.storage.keys.seed("")
     backend = sched.cache.storage.engine.backend
     assert all(backend.batch_exists(page_keys(seed, p, PAGE)) == PAGES for p in ps)
-    shape = tuple(sched.cache.controller.host_pool.page(0).shape)
+    shape = tuple(sched.cache.host.host_pool.page(0).shape)
     sched.close()
     return seed, shape
 

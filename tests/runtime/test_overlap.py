@@ -253,7 +253,7 @@ def test_prefill_steps_launched_ahead(tiny_config_path):
     outs, launched, held = [], [], []
     for overlap in (False, True):
         sched = scheduler(tiny_config_path, overlap, total=640, hicache_ratio=8.0)
-        ctl = sched.cache.controller
+        ctl = sched.cache.host
         ctl.transfer = LazyTransfer(ctl.transfer, sched.runner.pool, ctl.host_pool)
         if overlap:
             ahead, forward = sched.overlap._ahead, sched.runner.forward
@@ -283,7 +283,7 @@ def test_prefill_steps_launched_ahead(tiny_config_path):
 def fenced(sched: Scheduler) -> FencedTransfer:
     """Wraps the scheduler's transfer engine in a FencedTransfer and gives the runner numbered
     fences (1, 2, ...), as on CUDA, where the runner's fences are events."""
-    ft = sched.cache.controller.transfer = FencedTransfer(sched.cache.controller.transfer)
+    ft = sched.cache.host.transfer = FencedTransfer(sched.cache.host.transfer)
 
     def fence():
         ft.latest = (ft.latest or 0) + 1
@@ -298,7 +298,7 @@ def test_copies_ordered_after_the_step_they_touch(tiny_config_path):
     follow that step, not the one queued after it (whose fence is the latest); a step planned
     after the one before it was applied orders its loads after everything queued (no fence)."""
     sched = scheduler(tiny_config_path, True, total=640, hicache_ratio=8.0)
-    ctl = sched.cache.controller
+    ctl = sched.cache.host
     ctl.transfer = LazyTransfer(ctl.transfer, sched.runner.pool, ctl.host_pool)
     ft, ahead_loads = fenced(sched), []
     real_ahead = sched.overlap._ahead
@@ -363,7 +363,7 @@ def test_load_that_fails_under_a_step_launched_ahead(tiny_config_path):
 
     sched = scheduler(tiny_config_path, True, total=256, policy="lpm", hicache_ratio=8.0,
                       radix_eviction_policy="lru")  # b2 (60 cached) before b1 (40); a0 leaves L1 for L2
-    sched.cache.controller.transfer = LateTransfer(sched.cache.controller.transfer)
+    sched.cache.host.transfer = LateTransfer(sched.cache.host.transfer)
     ft, faults = fenced(sched), Faults(sched)
     run(sched, {i: [request(f"a{i}", p, dict(GREEDY, max_new_tokens=1))] for i, p in enumerate(convs)})
     sched.add_request(request("b0", convs[0] + [7], dict(GREEDY, max_new_tokens=1)))

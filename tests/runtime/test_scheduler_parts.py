@@ -81,8 +81,8 @@ class FakeCache:
             self.released.append((lease.owner.rid, list(token_ids)))
         self.drop(lease)
 
-    def prefetch_ready(self, rid):
-        return None if rid in self.prefetching else StorageRange()
+    def prefetch_ready(self, lease):
+        return None if lease.owner.rid in self.prefetching else StorageRange()
 
     def prefetch_grace(self, decoding):
         self.grace = decoding
@@ -94,8 +94,8 @@ class FakeCache:
         return []
 
     def refresh(self, lease): ...
-    def dequeued(self, rid): ...
-    def trim_window(self, lease, computed): ...
+    def dequeued(self, lease): ...
+    def advance(self, lease, computed): ...
     def record_prefill(self, tokens, seconds): ...
 
 

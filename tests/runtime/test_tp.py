@@ -93,7 +93,7 @@ def test_tp2_matches_tp1_through_retraction_load_back_and_prefetch(tp2, prompts,
 def _drop_follower_pages(sched, tokens: list[int]) -> None:
     """Deletes the pages of `tokens` that another rank than rank 0 stored (under its own namespace),
     through rank 0's LMDB shards (the store the ranks share)."""
-    seed = sched.cache.storage.seed("")
+    seed = sched.cache.storage.keys.seed("")
     keys = {bytes.fromhex(k) for k in page_keys(seed, tokens, PAGE)}
     raw = []
     for shard in sched.cache.storage.engine.local.backend._envs:

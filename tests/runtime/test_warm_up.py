@@ -10,7 +10,7 @@ from test_hicache_l2 import GREEDY, drain, request, tiny_scheduler
 def footprint(sched) -> tuple:
     cache = sched.cache
     return (sched.stats(), cache.tree.total_tokens(), cache.allocator.num_free_tokens(), cache.req_table.num_free(),
-            cache.controller.host_stats())
+            cache.host.host_stats())
 
 
 @pytest.mark.parametrize("overlap", [False, True])

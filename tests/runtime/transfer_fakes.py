@@ -7,7 +7,7 @@ import contextlib
 import itertools
 
 from hicache.runtime.scheduler import Scheduler
-from hicache.tiers.base import TransferResult
+from hicache.tiers.base import WHOLE, TransferResult
 
 
 class LateTransfer:
@@ -20,8 +20,14 @@ class LateTransfer:
     def backup(self, d, h):
         return self.inner.backup(d, h)
 
-    def load(self, h, d, on_layer=None):
-        return self.inner.load(h, d, on_layer)
+    def load(self, h, d, on_layer=None, spec=WHOLE):
+        return self.inner.load(h, d, on_layer, spec)
+
+    def start_loads(self, whole=False):
+        self.inner.start_loads(whole)
+
+    def ordered_after(self, event):
+        return self.inner.ordered_after(event)
 
     def poll(self):
         if self.hold:
@@ -52,7 +58,7 @@ class LazyTransfer:
     def backup(self, d, h):
         return self.inner.backup(d, h)
 
-    def load(self, h, d, on_layer=None):
+    def load(self, h, d, on_layer=None, spec=WHOLE):
         ticket = next(self._tickets)
         self.loads[ticket] = [h, d, set(), 0, None]  # host, device slots, layers landed, polls, error
         return ticket
@@ -74,6 +80,12 @@ class LazyTransfer:
         if ticket in self.loads:
             self.waits += 1
             self._land(ticket, range(self.dev.num_layers) if layer is None else [layer])
+
+    def start_loads(self, whole=False):
+        self.inner.start_loads(whole)
+
+    def ordered_after(self, event):
+        return self.inner.ordered_after(event)
 
     def synchronize(self, ticket):
         if ticket in self.loads:
@@ -100,7 +112,7 @@ class Faults:
 
     def __init__(self, sched: Scheduler):
         self.on, self.armed = False, 0
-        pool = sched.cache.controller.host_pool
+        pool = sched.cache.host.host_pool
         for name in ("get_layer", "set_layer"):
             setattr(pool, name, self._wrap(getattr(pool, name)))
 
@@ -136,9 +148,18 @@ class FencedTransfer:
         self.submitted.append(("backup", self.fence, self.latest))
         return self.inner.backup(d, h)
 
-    def load(self, h, d, on_layer=None):
+    def load(self, h, d, on_layer=None, spec=WHOLE):
         self.submitted.append(("load", self.fence, self.latest))
-        return self.inner.load(h, d, on_layer)
+        return self.inner.load(h, d, on_layer, spec)
 
-    def __getattr__(self, name):  # poll, synchronize, wait_layer, start_loads
-        return getattr(self.inner, name)
+    def start_loads(self, whole=False):
+        self.inner.start_loads(whole)
+
+    def wait_layer(self, ticket, layer=None):
+        self.inner.wait_layer(ticket, layer)
+
+    def poll(self):
+        return self.inner.poll()
+
+    def synchronize(self, ticket):
+        self.inner.synchronize(ticket)

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hicache.tiers.base import IO_BACKENDS, DevicePool, TransferResult
+from hicache.tiers.base import IO_BACKENDS, WHOLE, DevicePool, LoadSpec, TransferResult
 from hicache.tiers.host.copy_engine import BatchCopier, page_copies
 
 logger = logging.getLogger(__name__)
@@ -147,14 +147,13 @@ class HostTransferEngine:
         return self._submit("backup", device_slots, host_slots, None)
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
-             on_layer: Callable[[int], None] | None = None, skip: int = 0,
-             repair: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+             on_layer: Callable[[int], None] | None = None, spec: LoadSpec = WHOLE) -> int:
         """Host -> device, layer by layer; `on_layer(i)` once layer i is copied (queued, on CUDA).
-        The windowed layers copy only slots [skip:] (their KV before is never read), and also the
-        (host slots, device slots) of `repair`: tokens already on L1 whose window parts are being
-        restored."""
-        skip = skip if self.window_layers else 0
-        repair = repair or (host_slots[:0], device_slots[:0])
+        The windowed layers copy only slots [spec.skip:] (their KV before is never read), and also
+        the (host slots, device slots) of `spec.repair`: tokens already on L1 whose window parts
+        are being restored."""
+        skip = spec.skip if self.window_layers else 0
+        repair = spec.repair or (host_slots[:0], device_slots[:0])
         return self._submit("load", device_slots, host_slots, on_layer, skip, repair)
 
     def _submit(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, on_layer, skip: int = 0,
