@@ -19,8 +19,7 @@ class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
     radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: next_use (the farthest predicted next use, from each prefix's pace of reuse: idle prefixes first, then never-reused ones newest first, so that sessions coming back in turn keep a stable share of the cache), lru, lfu, or lfu_aging (fewest hits, counts halved each time the cache turns over)."})
-    enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
-    disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
+    hierarchical_cache: bool | None = field(default=None, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing. Default: on, unless disable_radix_cache leaves nothing to keep (on with it is an error)."})
     hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})
     hicache_size: float = field(default=0, metadata={"help": "Host (L2) pool size in GB; overrides hicache_ratio when > 0."})
     hicache_write_policy: str = field(default="write_through", metadata={"help": "When device KV is copied to host: write_through (on insert), write_through_selective (on the second hit) or write_back (on eviction)."})
@@ -59,13 +58,13 @@ class HiCacheConfig:
             object.__setattr__(self, "hicache_storage_backend_extra_config", json.dumps(extra))
         if "secret" in parse_extra(self.hicache_storage_backend_extra_config):  # a bad JSON fails now too
             raise ValueError("the L3 secret goes in hicache_storage_secret, not in the extra config (which is shown)")
-        if self.disable_hierarchical_cache:  # one source of truth afterwards: enable_hierarchical_cache
-            object.__setattr__(self, "enable_hierarchical_cache", False)
+        if self.hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("hierarchical_cache needs the radix cache: it keeps what disable_radix_cache discards")
 
     @property
     def hierarchical(self) -> bool:
-        """Whether L2 is in use: asked for, and there is a radix cache to keep in it."""
-        return self.enable_hierarchical_cache and not self.disable_radix_cache
+        """Whether L2 is in use: not turned off, and there is a radix cache to keep in it."""
+        return self.hierarchical_cache is not False and not self.disable_radix_cache
 
     @property
     def storage(self) -> bool:
