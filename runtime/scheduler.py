@@ -50,13 +50,13 @@ class Scheduler(StepResults):
         self._arrivals = itertools.count()
         self.counters = Counters()
         cuda = self.runner.device.type == "cuda"
-        self.jump = JumpForward(rc.enable_jump_forward or not (cuda or rc.disable_jump_forward), self.tokenizer,
-                                self.stop_checker, self.context_length, self.counters)
+        self.jump = JumpForward(rc.features(cuda).jump_forward, self.tokenizer, self.stop_checker,
+                                self.context_length, self.counters)
         # Change markers for the overlap loop: the queue or the running set changed (arrival,
         # admission, finish, abort, retraction); a running request gave its slots back early.
         self.queue_version = 0
         self.early_releases = 0
-        overlap = rc.enable_overlap_schedule or (cuda and not rc.disable_overlap_schedule)
+        overlap = rc.features(cuda).overlap_schedule
         prefill_ahead = overlap and not rc.disable_prefill_ahead
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens(), prefill_ahead,
                                    self.cache.has_host_tier, cuda)
