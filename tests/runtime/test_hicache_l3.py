@@ -40,7 +40,7 @@ def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256,
                  io="process", **extra) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96,
-                       enable_overlap_schedule=overlap)
+                       overlap_schedule=overlap)
     # the tiny model recomputes faster than L3 loads: tests of the tiers' mechanics load every hit
     cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy=policy, hicache_load_decision="always", hicache_storage_io=io,
