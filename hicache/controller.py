@@ -27,10 +27,9 @@ from typing import Callable
 import torch
 
 from hicache.audit import ControllerAudit
-from hicache.config import WRITE_POLICIES
+from hicache.config import WRITE_POLICIES, StorageOptions
 from hicache.decide import LoadDecider
 from hicache.loadback import LoadBack, window_cut, window_repair, windowless_nodes
-from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, StorageEngine, TransferEngine, TransferResult, window_of
 from hicache.transfers import Op, Transfers

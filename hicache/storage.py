@@ -26,7 +26,7 @@ and counted. Page keys are cached on the tree nodes (`TreeNode.page_keys`, chain
 parent's last key), so a backup hashes only pages never hashed before, and a prefetch only the
 pages beyond the cached prefix.
 
-The options and the per-prefetch records are in `hicache/prefetch.py`.
+The options are `hicache.config.StorageOptions`; the per-prefetch records are in `hicache/prefetch.py`.
 """
 from __future__ import annotations
 
@@ -38,9 +38,10 @@ from typing import Callable
 import torch
 
 from hicache.backups import BackupQueue
+from hicache.config import StorageOptions
 from hicache.decide import LoadDecider
 from hicache.pagekey import chain_keys, salted_seed
-from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
+from hicache.prefetch import PrefetchOp, StorageRange
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, TreeNode, nodes_covering
 

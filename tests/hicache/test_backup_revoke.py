@@ -4,7 +4,7 @@ backup that has started keeps its pages."""
 from __future__ import annotations
 
 from hicache.controller import CacheController
-from hicache.prefetch import StorageOptions
+from hicache.config import StorageOptions
 from hicache.tree import RadixTree
 import cache_fakes as fakes
 

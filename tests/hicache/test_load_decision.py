@@ -8,7 +8,7 @@ import pytest
 from hicache.controller import CacheController
 from hicache.decide import PROBE_EVERY, LoadDecider
 from hicache.manager import CacheManager, Lease
-from hicache.prefetch import StorageOptions
+from hicache.config import StorageOptions
 from hicache.tree import RadixTree
 import cache_fakes as fakes
 

@@ -15,7 +15,7 @@ import pytest
 
 import hicache.pagekey as pagekey
 from hicache.pagekey import namespace_seed, page_keys
-from hicache.prefetch import StorageOptions
+from hicache.config import StorageOptions
 from hicache.storage import StorageController
 from hicache.tree import RadixTree
 import cache_fakes as fakes
