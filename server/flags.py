@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 _SCALARS = (int, float, str)
+SHOWN_DEFAULT = " (default: %(default)s)"  # argparse fills it in
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
@@ -38,7 +39,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str) 
             group.add_argument(flag, dest=f.name, nargs="+", type=str, default=default, metavar=f.name.upper(),
                                help=help_text)
             continue
-        shown = "" if default is None else f" (default: {default})"
+        shown = "" if default is None else SHOWN_DEFAULT
         group.add_argument(flag, dest=f.name, type=_parser_for(base, optional), default=default,
                            metavar=f.name.upper(), help=help_text + shown)
 
