@@ -3,8 +3,8 @@
 Defaults and help come from the field (written once, in the dataclass); a bool field becomes a
 store_true flag (with its `--no-` form when on by default), a tri-state `bool | None` field the
 pair `--enable-<name>` / `--disable-<name>` (neither: None, automatic), a `tuple[str, ...]` field a
-flag taking one or more values. `config_from_args`
-rebuilds the frozen configs, so their own checks apply.
+flag taking one or more values. `config_from_args` rebuilds the frozen configs, so their own
+checks apply.
 """
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ STORAGE_BACKENDS: dict[str, StorageBackendEntry] = {  # hicache_storage_backend'
                                          "on one machine may share it."),
         "size_cap_gb": StorageOption(float, 16.0, "Stored bytes (GB) past which the least recently used pages "
                                                   "are evicted, down to 90%.", 0, above=True),
-        "map_size_gb": StorageOption(float, None, "LMDB map size (GB); default: 1.25 x size_cap_gb plus room "
-                                                  "for the B-trees.", 0, above=True),
+        "map_size_gb": StorageOption(float, None, "LMDB map size (GB), shared by the shards; default: 1.25 x "
+                                                  "size_cap_gb plus 64 MiB a shard.", 0, above=True),
         "sync": StorageOption(bool, False, "Flush every commit to disk (durable across a power loss, slower)."),
         "min_free_mb": StorageOption(float, 64.0, "Free disk space (MB) a write must leave; short of it, "
                                                   "writes reuse the store's own pages (evicting).", 0),
@@ -79,8 +79,8 @@ STORAGE_BACKENDS: dict[str, StorageBackendEntry] = {  # hicache_storage_backend'
     "redis": StorageBackendEntry("hicache.tiers.remote.redis:RedisBackend", {
         "url": StorageOption(str, "redis://127.0.0.1:6379/0", "Redis server URL (a password in it is never "
                                                               "shown)."),
-        "key_prefix": StorageOption(str, "hicache", "First part of every key (<prefix>:<namespace>:<page>): "
-                                                    "tenants sharing a server apart."),
+        "key_prefix": StorageOption(str, "hicache", "First part of every key (<prefix>:<namespace>:<page>), "
+                                                    "which keeps tenants sharing a server apart."),
         "socket_timeout": StorageOption(float, 2.0, "Seconds a call may take before the backend counts as down.",
                                         0, above=True),
         "connect_timeout": StorageOption(float, 1.0, _TIMEOUT, 0, above=True),
