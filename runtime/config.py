@@ -2,8 +2,9 @@
 
 Option names are SGLang's CLI flag names in snake_case. A feature whose default depends on the
 device is one tri-state field (`bool | None`, None: the device's default, `features(cuda)` says
-which), set on the command line by `--enable-<name>` / `--disable-<name>`. Attention backend names are checked by the
-attention registry (`hicache.runtime.attention.check_names`, torch-free), which holds the one list.
+which), set on the command line by `--enable-<name>` / `--disable-<name>`. Attention backend
+names are checked by the attention registry (`hicache.runtime.attention.check_names`,
+torch-free), which holds the one list.
 """
 from __future__ import annotations
 
