@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lint test test-all golden serve clean
+.PHONY: setup lint test test-all golden docs serve clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test-all: $(STAMP)
 # HF transformers' reference outputs under tests/golden (see tests/golden/regenerate.py)
 golden: $(STAMP)
 	$(PY) tests/golden/regenerate.py $(GOLDEN)
+
+# docs/configuration.md, from the parser of `hicache serve` (tests/server/test_reference.py checks it)
+docs: $(STAMP)
+	$(PY) -m hicache.server.reference > docs/configuration.md
 
 serve: $(STAMP)
 	$(VENV)/bin/hicache serve $(SERVE_ARGS)

@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     variants = args.variants.split(";")
-    engines = [Engine(None, disable_radix_cache=True, disable_hierarchical_cache=True, max_total_tokens=16384,
+    engines = [Engine(None, disable_radix_cache=True, hierarchical_cache=False, max_total_tokens=16384,
                       **parse_variant(v)) for v in variants]
     rng = random.Random(0)
     work = workloads(args, rng)

@@ -338,7 +338,7 @@ def model_l1(f: dict, overlap: str = "both", batches=(1, 16, 64, 256), l1_tokens
     `decode_step_overlap_b*_s` overlap on. A batch whose KV does not fit the pool is skipped."""
     out, rng, steps = {}, torch.Generator().manual_seed(0), 32
     modes = {"off": [False], "on": [True], "both": [False, True]}[overlap]
-    with engine(max_total_tokens=l1_tokens, disable_hierarchical_cache=True, max_running_requests=256,
+    with engine(max_total_tokens=l1_tokens, hierarchical_cache=False, max_running_requests=256,
                 chunked_prefill_size=8192, max_prefill_tokens=32768, context_length=16384) as eng:
         capacity = eng.get_stats()["tiers"]["device"]["capacity_tokens"]
         row("L1 pool", f"{capacity} tokens")
@@ -412,9 +412,9 @@ def model_rounds(f: dict, clients: int = 12, rounds: int = 10, turn: int = 2048,
     stream's idle spans in PATH.gaps.txt) and round 6 runs under cProfile; both count in its total."""
     out, working_set = {}, clients * rounds * (turn + 1)
     l1 = working_set // 5
-    configs = {"L1": dict(max_total_tokens=l1, disable_hierarchical_cache=True),
+    configs = {"L1": dict(max_total_tokens=l1, hierarchical_cache=False),
                "L1+L2": dict(max_total_tokens=l1, hicache_ratio=5.2),
-               "L1 holds all": dict(max_total_tokens=working_set + 8192, disable_hierarchical_cache=True)}
+               "L1 holds all": dict(max_total_tokens=working_set + 8192, hierarchical_cache=False)}
     row("rounds: working set", f"{working_set} tokens", f"L1 {l1} tokens")
     for name in names:
         with engine(chunked_prefill_size=8192, max_running_requests=32, context_length=rounds * (turn + 1) + 64,

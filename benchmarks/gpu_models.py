@@ -75,7 +75,7 @@ def shape(config: Path) -> Shape:
 def engine(config: Path, **options):
     from hicache import Engine
 
-    return Engine(str(config), load_format="dummy", dtype="bfloat16", page_size=64, disable_hierarchical_cache=True,
+    return Engine(str(config), load_format="dummy", dtype="bfloat16", page_size=64, hierarchical_cache=False,
                   hicache_storage_backend="none", **options)
 
 

@@ -104,7 +104,7 @@ def main() -> None:
 
     path = str(default_model_path())
     l1 = args.system + 2 * args.turns * (args.turn + args.new) + 64
-    configs = {"L1 only": {"disable_hierarchical_cache": True},
+    configs = {"L1 only": {"hierarchical_cache": False},
                "L1 + L2": {"hicache_ratio": args.ratio, "hicache_write_policy": args.policy}}
     runners = {}
     for name, options in configs.items():

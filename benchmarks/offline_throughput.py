@@ -85,7 +85,7 @@ def main() -> None:
     from hicache.runtime.default_model import default_model_path
 
     path = default_model_path()
-    l2 = {"disable_hierarchical_cache": True} if args.skip_prefix else {}
+    l2 = {"hierarchical_cache": False} if args.skip_prefix else {}
     engine = Engine(str(path), max_total_tokens=args.max_total_tokens, **l2)
     prompts = make_prompts(engine.tokenizer, args.num_prompts, args.seed)
     corpus = corpus_ids(engine.tokenizer)

@@ -16,7 +16,7 @@ the milliseconds per step in the parts of a step (wrappers around the calls: `St
 says what each times; they nest: `launch` holds `fill wait` and `sampler`, `wait` a `launch`,
 `process` the `accept`; `feed` and `fill` run on a thread of its own, beside the scheduler's).
 
-`--compare-jump-forward` adds a second engine with `disable_jump_forward` and a third run, the
+`--compare-jump-forward` adds a second engine with `jump_forward=False` and a third run, the
 same constrained requests there (alternating with the other two), and prints the constrained rate
 with jump-forward over the rate without it, and each run's model steps (`forward_steps`).
 `--long-keys` gives the schema's objects long property names (several tokens each: the text a
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD here, if any)")
     ap.add_argument("--profile", action="store_true", help="print where the scheduler thread's time goes")
     ap.add_argument("--compare-jump-forward", action="store_true",
-                    help="also time the constrained run on an engine with disable_jump_forward")
+                    help="also time the constrained run on an engine with jump_forward=False")
     ap.add_argument("--long-keys", action="store_true", help="long property names in the schema")
     ap.add_argument("--like-device", action="store_true",
                     help="overlap scheduling on and jump-forward off, as on a device (for a CPU run)")
@@ -193,9 +193,9 @@ def main() -> None:
         # two engines share the device: each gets an L1 sized for the run instead of a memory fraction
         sized = {"max_total_tokens": 4 * 64 * (args.prompt_tokens + args.new_tokens)} if len(offs) > 1 else {}
         if args.like_device:
-            sized.update(enable_overlap_schedule=True)
-        engines = [Engine(path, load_format=args.load_format, disable_hierarchical_cache=True,
-                          disable_jump_forward=off or args.like_device, **sized) for off in offs]
+            sized.update(overlap_schedule=True)
+        engines = [Engine(path, load_format=args.load_format, hierarchical_cache=False,
+                          jump_forward=False if off or args.like_device else None, **sized) for off in offs]
         try:
             run(engines, args, profile)
         finally:

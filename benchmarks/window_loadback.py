@@ -46,7 +46,7 @@ def l1_held(args, prompt: list[int], layers: tuple[int, int]) -> dict:
     """Layer-tokens L1 holds for one request without an L2: while it decodes, and after."""
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     with Engine(args.config, load_format="dummy", max_total_tokens=args.context + 8 * args.page_size,
-                page_size=args.page_size, disable_hierarchical_cache=True, chunked_prefill_size=2048) as engine:
+                page_size=args.page_size, hierarchical_cache=False, chunked_prefill_size=2048) as engine:
         async def stream() -> int:
             running = 0
             async for out in engine.async_generate(input_ids=prompt, sampling_params=params):

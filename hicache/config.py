@@ -1,15 +1,15 @@
-"""`HiCacheConfig`: the cache brain's options. CLI defaults are read from here."""
+"""`HiCacheConfig`: the cache brain's options, and `StorageOptions`: its keys of the L3 extra config.
+CLI defaults are read from here."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hicache.decide import DECISION_MODES
 from hicache.eviction import DEFAULT as DEFAULT_EVICTION, STRATEGIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MEM_LAYOUTS = ("layer_first", "page_first")
-STORAGE_BACKENDS = ("lmdb", "redis", "mooncake", "memory", "none")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_IO = ("process", "threads")
 
@@ -19,8 +19,7 @@ class HiCacheConfig:
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page: the granularity of matching, allocation and storage."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Never reuse a computed prefix."})
     radix_eviction_policy: str = field(default=DEFAULT_EVICTION, metadata={"help": "Which unlocked leaf the radix tree evicts first, on L1 and L2: next_use (the farthest predicted next use, from each prefix's pace of reuse: idle prefixes first, then never-reused ones newest first, so that sessions coming back in turn keep a stable share of the cache), lru, lfu, or lfu_aging (fewest hits, counts halved each time the cache turns over)."})
-    enable_hierarchical_cache: bool = field(default=True, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing."})
-    disable_hierarchical_cache: bool = field(default=False, metadata={"help": "Turn the host tier off (same as --no-enable-hierarchical-cache)."})
+    hierarchical_cache: bool | None = field(default=None, metadata={"help": "Keep KV evicted from the device in a host tier (L2) and load it back instead of recomputing. Default: on, unless disable_radix_cache leaves nothing to keep (on with it is an error)."})
     hicache_ratio: float = field(default=2.0, metadata={"help": "Host (L2) pool size as a multiple of the device (L1) pool's tokens."})
     hicache_size: float = field(default=0, metadata={"help": "Host (L2) pool size in GB; overrides hicache_ratio when > 0."})
     hicache_write_policy: str = field(default="write_through", metadata={"help": "When device KV is copied to host: write_through (on insert), write_through_selective (on the second hit) or write_back (on eviction)."})
@@ -30,8 +29,8 @@ class HiCacheConfig:
     hicache_load_ahead_layers: int = field(default=2, metadata={"help": "Layers of a layer-wise load-back queued ahead of the layer the forward pass waits for (queuing every layer before the pass costs the host the time its own launches need)."})
     hicache_load_blocks: int = field(default=16, metadata={"help": "Programs per layer and K/V of the Triton gather kernel that loads pages back (io_backend kernel, or direct where the driver lacks batched copies): more moves pages faster but takes more SMs from the compute it overlaps."})
     hicache_load_decision: str = field(default="measured", metadata={"help": "Whether a prefix cached on L3 (and L2) is loaded or recomputed: measured (L3 hits: whichever is faster by the load bandwidth and prefill rate measured while serving; L2 hits are loaded), measured_all (L2 hits too) or always (load every hit)."})
-    hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), mooncake (a Mooncake Store cluster shared between servers), memory (in-process, for tests) or none."})
-    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object for L3: path, map_size_gb, size_cap_gb, min_free_mb, sync, shards (lmdb); url, key_prefix, socket_timeout (redis); master, metadata_server, protocol, device_name, local_hostname, global_segment_mb, local_buffer_mb, key_prefix (mooncake); prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, prefetch_timeout_max, prefetch_grace, query_grace, batch_pages, backup_queue_pages."})
+    hicache_storage_backend: str = field(default="lmdb", metadata={"help": "L3 storage tier: lmdb (embedded, under $HICACHE_HOME/storage), redis (shared between servers), mooncake (a Mooncake Store cluster shared between servers), memory (in the server's process, gone when it stops) or none."})
+    hicache_storage_backend_extra_config: str | None = field(default=None, metadata={"help": "JSON object of L3 options: the cache brain's prefetch and backup keys and the storage backend's own (docs/configuration.md describes each); a key neither takes, or a value of the wrong type or range, is an error naming it."})
     hicache_storage_io: str = field(default="process", metadata={"help": "Where L3 reads and writes run: process (a process of their own that maps the host pool, which then lives in shared memory: they never wait for the scheduler's interpreter lock nor hold it) or threads (threads of the scheduler's process). The memory backend always runs in threads."})
     hicache_storage_prefetch_policy: str = field(default="timeout", metadata={"help": "When a request waiting for an L3 prefetch may run: best_effort (with whatever has arrived), wait_complete, or timeout (a base plus a per-1k-token allowance, capped)."})
     hicache_storage_secret: str | None = field(default=None, repr=False, metadata={"help": "Secret (at least 16 bytes) that authenticates L3 values with an HMAC-SHA256: a value without a valid MAC is a counted miss, so writers to a shared store (Redis) without it cannot plant pages. Every server sharing a store needs the same one. Default: none (values are still bound to their keys and checksummed). Never logged or shown."})
@@ -50,22 +49,24 @@ class HiCacheConfig:
                              f"{self.hicache_load_ahead_layers} and {self.hicache_load_blocks}")
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GB (0: use hicache_ratio), got {self.hicache_size}")
-        _choice("hicache_storage_backend", self.hicache_storage_backend, STORAGE_BACKENDS)
+        _choice("hicache_storage_backend", self.hicache_storage_backend, storage_backends())
         _choice("hicache_load_decision", self.hicache_load_decision, DECISION_MODES)
         _choice("hicache_storage_prefetch_policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
         _choice("hicache_storage_io", self.hicache_storage_io, STORAGE_IO)
         extra = self.hicache_storage_backend_extra_config
         if isinstance(extra, dict):  # Engine(**options) may pass the object itself; keep the JSON form
             object.__setattr__(self, "hicache_storage_backend_extra_config", json.dumps(extra))
-        if "secret" in parse_extra(self.hicache_storage_backend_extra_config):  # a bad JSON fails now too
+        extra = parse_extra(self.hicache_storage_backend_extra_config)
+        if "secret" in extra:
             raise ValueError("the L3 secret goes in hicache_storage_secret, not in the extra config (which is shown)")
-        if self.disable_hierarchical_cache:  # one source of truth afterwards: enable_hierarchical_cache
-            object.__setattr__(self, "enable_hierarchical_cache", False)
+        check_extra(self.hicache_storage_backend, extra)
+        if self.hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("hierarchical_cache needs the radix cache: it keeps what disable_radix_cache discards")
 
     @property
     def hierarchical(self) -> bool:
-        """Whether L2 is in use: asked for, and there is a radix cache to keep in it."""
-        return self.enable_hierarchical_cache and not self.disable_radix_cache
+        """Whether L2 is in use: not turned off, and there is a radix cache to keep in it."""
+        return self.hierarchical_cache is not False and not self.disable_radix_cache
 
     @property
     def storage(self) -> bool:
@@ -78,8 +79,59 @@ class HiCacheConfig:
         return self.storage and self.hicache_storage_io == "process" and self.hicache_storage_backend != "memory"
 
     @property
-    def storage_extra(self) -> dict:
-        return parse_extra(self.hicache_storage_backend_extra_config)
+    def storage_options(self) -> StorageOptions:
+        """The prefetch policy and the cache brain's keys of the extra config."""
+        extra = parse_extra(self.hicache_storage_backend_extra_config)
+        return StorageOptions(self.hicache_storage_prefetch_policy, **{k: extra[k] for k in CACHE_KEYS if k in extra})
+
+    @property
+    def backend_options(self) -> dict:
+        """The storage backend's keys of the extra config."""
+        return {k: v for k, v in parse_extra(self.hicache_storage_backend_extra_config).items() if k not in CACHE_KEYS}
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """The prefetch policy (`hicache_storage_prefetch_policy`) and the cache brain's keys of
+    `hicache_storage_backend_extra_config` (each field but `policy`; the backend's keys are in
+    `hicache.tiers.base.STORAGE_BACKENDS`). `HiCacheConfig` checks them."""
+
+    policy: str = "timeout"
+    prefetch_threshold: int = field(default=256, metadata={"help": "Least tokens an L3 query must find past what L1 and L2 hold for them to be fetched; fewer are recomputed.", "minimum": 0})
+    prefetch_timeout_base: float = field(default=2.0, metadata={"help": "Timeout policy: seconds a request may wait for its prefetch, plus prefetch_timeout_per_ki_token per 1024 tokens asked for, at most prefetch_timeout_max; then it runs with what has arrived.", "minimum": 0})
+    prefetch_timeout_per_ki_token: float = field(default=0.1, metadata={"help": "Timeout policy: seconds more per 1024 tokens asked for.", "minimum": 0})
+    prefetch_timeout_max: float = field(default=30.0, metadata={"help": "Timeout policy: the most seconds a request waits for its prefetch.", "minimum": 0})
+    backup_queue_pages: int = field(default=4096, metadata={"help": "Most pages of backups to L3 in flight; backups past them are dropped (counted).", "minimum": 0})
+    batch_pages: int = field(default=128, metadata={"help": "Pages per backend call of the L3 I/O worker.", "minimum": 1})
+    prefetch_grace: float = field(default=0.1, metadata={"help": "Seconds a prefill batch, before it is formed, waits for the L3 queries and fetches of waiting requests while nothing decodes (policies other than best_effort).", "minimum": 0})
+    query_grace: float = field(default=0.005, metadata={"help": "The same while requests decode, for queries only (a round trip), so that their next token waits no longer.", "minimum": 0})
+
+    def timeout(self, tokens: int) -> float:
+        return min(self.prefetch_timeout_base + tokens / 1024 * self.prefetch_timeout_per_ki_token,
+                   self.prefetch_timeout_max)
+
+
+CACHE_KEYS = tuple(f.name for f in fields(StorageOptions) if f.name != "policy")
+
+
+def extra_keys(backend: str) -> dict:
+    """name -> `hicache.tiers.base.StorageOption` of each key the extra config takes with
+    `backend`: the cache brain's (`StorageOptions`), then the backend's."""
+    from hicache.tiers.base import STORAGE_BACKENDS, StorageOption
+
+    keys = {f.name: StorageOption(type(f.default), f.default, f.metadata["help"], f.metadata["minimum"])
+            for f in fields(StorageOptions) if f.name in CACHE_KEYS}
+    entry = STORAGE_BACKENDS.get(backend)
+    return {**keys, **(entry.options if entry else {})}
+
+
+def check_extra(backend: str, extra: dict) -> None:
+    """ValueError naming a key of the extra config that neither the cache brain nor `backend`
+    takes (listing those they do), or a value of the wrong type or range."""
+    from hicache.tiers.base import check_storage_options
+
+    check_storage_options(f"hicache_storage_backend_extra_config (storage backend {backend})", extra,
+                          extra_keys(backend))
 
 
 def parse_extra(text: str | None) -> dict:
@@ -93,6 +145,13 @@ def parse_extra(text: str | None) -> dict:
     if not isinstance(value, dict):
         raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
     return value
+
+
+def storage_backends() -> tuple[str, ...]:
+    """The L3 registry's names (`hicache.tiers.base.STORAGE_BACKENDS`), and none."""
+    from hicache.tiers.base import STORAGE_BACKENDS
+
+    return (*STORAGE_BACKENDS, "none")
 
 
 def _io_backends() -> tuple[str, ...]:

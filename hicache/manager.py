@@ -24,7 +24,8 @@ from hicache.backups import BackupQueue
 from hicache.controller import LOAD_BACK_MIN_TOKENS, CacheController
 from hicache.decide import LoadDecider
 from hicache.pagekey import PageKeys
-from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
+from hicache.config import StorageOptions
+from hicache.prefetch import PrefetchOp, StorageRange
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, RequestTable, StorageEngine, TransferEngine
 from hicache.tree import MatchResult, RadixTree

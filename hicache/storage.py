@@ -26,7 +26,8 @@ oldest first, and unpins their pages so that eviction may take them (counted,
 and counted. Page keys are cached on the tree nodes (`hicache/pagekey.py: PageKeys`), so a backup
 hashes only pages never hashed before, and a prefetch only the pages beyond the cached prefix.
 
-The options and the per-prefetch records (held by each request's `Lease`) are in `hicache/prefetch.py`.
+The options are `hicache.config.StorageOptions`; the per-prefetch records (held by each request's
+`Lease`) are in `hicache/prefetch.py`.
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from hicache.backups import BackupQueue
+from hicache.config import StorageOptions
 from hicache.decide import LoadDecider
 from hicache.pagekey import PageKeys
-from hicache.prefetch import PrefetchOp, StorageOptions, StorageRange
+from hicache.prefetch import PrefetchOp, StorageRange
 from hicache.tiers.base import StorageEngine, StorageResult
 from hicache.tree import RadixTree, nodes_covering
 

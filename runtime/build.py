@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.config import HiCacheConfig, StorageOptions
 from hicache.manager import CacheManager, StorageSetup
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
@@ -23,7 +23,6 @@ from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 from hicache.tiers.host.pool import HostKVPool, available_ram, host_pool_tokens
-from hicache.prefetch import StorageOptions
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
@@ -175,7 +174,7 @@ def storage_worker(cc: HiCacheConfig, rc: RuntimeConfig, loaded: LoadedModel, ho
                    tp: TensorParallel) -> tuple[StorageWorker | StorageProcess, bytes, StorageOptions, str]:
     """This rank's L3 worker over its backend (its pages under its own namespace), the namespace
     seed, the storage options and where the backend lives."""
-    options, backend_options = StorageOptions.split(cc.hicache_storage_prefetch_policy, cc.storage_extra)
+    options, backend_options = cc.storage_options, cc.backend_options
     if cc.hicache_storage_backend == "lmdb":
         backend_options.setdefault("path", str(hicache_home() / "storage" / "lmdb"))
     seed = namespace_seed(model_fingerprint(rc, loaded), host_pool.buffer.dtype, cc.page_size, cc.hicache_mem_layout,

@@ -1,11 +1,15 @@
 """`RuntimeConfig`: the engine's options (model, memory, scheduling). CLI defaults are read from here.
 
-Option names are SGLang's CLI flag names in snake_case. Attention backend names are checked by the
-attention registry (`hicache.runtime.attention.check_names`, torch-free), which holds the one list.
+Option names are SGLang's CLI flag names in snake_case. A feature whose default depends on the
+device is one tri-state field (`bool | None`, None: the device's default, `features(cuda)` says
+which), set on the command line by `--enable-<name>` / `--disable-<name>`. Attention backend
+names are checked by the attention registry (`hicache.runtime.attention.check_names`,
+torch-free), which holds the one list.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hicache.runtime.attention import check_names
 
@@ -29,14 +33,11 @@ class RuntimeConfig:
     disable_cpu_kernels: bool = field(default=False, metadata={"help": "On CPU, run the model step on torch ops alone (torch's RMSNorm, RoPE, SiLU-mul and BLAS linears; with attention backends auto, the torch attention) instead of the C++ kernels compiled at first use and oneDNN linears on prepacked weights."})
     disable_cpu_quantized_linears: bool = field(default=False, metadata={"help": "On CPU, run every linear on the float32 weights through oneDNN, instead of reading the weights of small batches' linears (decode of a few requests) from blocks of 4- or 8-bit values that hold them exactly (float32 weights dequantised from GGUF Q4_1 or Q8_0 tensors): 3-5x fewer bytes per step, the same outputs but for the order of float32 sums."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton or flashinfer backend)."})
-    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Do not overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t (overlap is on by default on CUDA)."})
-    enable_overlap_schedule: bool = field(default=False, metadata={"help": "Overlap scheduling on CPU too (no speedup there: for tests)."})
+    overlap_schedule: bool | None = field(default=None, metadata={"help": "Overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t. Default: on with CUDA, off on CPU; turned on, it runs on CPU too, with the same outputs and no speedup there (the host and the device are the same cores)."})
     disable_prefill_ahead: bool = field(default=False, metadata={"help": "With overlap scheduling, drain every prefill step (apply its results) before planning the next, instead of launching the next prefill step while it runs."})
     prefill_ahead_l1_share: float = field(default=0.5, metadata={"help": "With prefill steps launched ahead and an L2: the share of the L1 pool that one prefill step's requests may hold together (past its first request), so that the next step's load-backs find room while it runs; 1: no cap."})
-    disable_decode_while_loading: bool = field(default=False, metadata={"help": "Run a request whose cached prefix is being loaded back from L2 in the next prefill step at once, its attention waiting layer by layer for the copy, instead of letting the running requests decode while the copy lands and running it in the first step after (the default on CUDA)."})
-    enable_decode_while_loading: bool = field(default=False, metadata={"help": "Decode while loading on CPU too, where a load-back is a synchronous copy (no speedup there: for tests)."})
-    disable_jump_forward: bool = field(default=False, metadata={"help": "Decode each token a request's grammar forces with a model step of its own, instead of appending the forced run at once and computing it in the next step (jump-forward, the default on CPU)."})
-    enable_jump_forward: bool = field(default=False, metadata={"help": "Jump-forward on CUDA too (off there by default: an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves)."})
+    decode_while_loading: bool | None = field(default=None, metadata={"help": "While a request's cached prefix is loaded back from L2, let the running requests decode and run the request in the first prefill step after the copy has landed, instead of running it in the next prefill step at once, its attention waiting layer by layer for the copy. Default: on with CUDA, off on CPU; turned on, it runs on CPU too, where a load-back is a synchronous copy: the steps come in another order, no faster."})
+    jump_forward: bool | None = field(default=None, metadata={"help": "Append the run of tokens a request's grammar forces at once and compute it in the next step, instead of decoding each forced token with a model step of its own. Default: on on CPU, off with CUDA, where an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: the model and each KV tier are split over this many processes (one GPU each on CUDA; gloo on CPU)."})
 
@@ -48,12 +49,6 @@ class RuntimeConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         check_names(self.attention_backend, self.decode_attention_backend)  # the registry's names
-        if self.disable_overlap_schedule and self.enable_overlap_schedule:
-            raise ValueError("disable_overlap_schedule and enable_overlap_schedule contradict each other")
-        if self.disable_decode_while_loading and self.enable_decode_while_loading:
-            raise ValueError("disable_decode_while_loading and enable_decode_while_loading contradict each other")
-        if self.disable_jump_forward and self.enable_jump_forward:
-            raise ValueError("disable_jump_forward and enable_jump_forward contradict each other")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.max_running_requests < 1:
@@ -66,3 +61,21 @@ class RuntimeConfig:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")
+
+    def features(self, cuda: bool) -> Features:
+        """The tri-state options as they apply on a device (`cuda` or not): None takes the
+        device's default (each option's help)."""
+        return Features(_given_or(self.overlap_schedule, cuda), _given_or(self.decode_while_loading, cuda),
+                        _given_or(self.jump_forward, not cuda))
+
+
+class Features(NamedTuple):
+    """Whether each tri-state option of `RuntimeConfig` is on, on the device it runs on."""
+
+    overlap_schedule: bool
+    decode_while_loading: bool
+    jump_forward: bool
+
+
+def _given_or(value: bool | None, default: bool) -> bool:
+    return default if value is None else value

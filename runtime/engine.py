@@ -28,6 +28,11 @@ def split_options(options: dict) -> tuple[RuntimeConfig, HiCacheConfig]:
     rc_names = {f.name for f in dataclasses.fields(RuntimeConfig)}
     cc_names = {f.name for f in dataclasses.fields(HiCacheConfig)}
     unknown = set(options) - rc_names - cc_names
+    for name in sorted(unknown):
+        flag, _, field = name.partition("_")
+        if flag in ("enable", "disable") and field in rc_names | cc_names:
+            raise TypeError(f"Engine option {name} is the --{name.replace('_', '-')} flag: pass {field}="
+                            f"{flag == 'enable'} ({field}=None, the default, leaves it automatic)")
     if unknown:
         raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
     rc = RuntimeConfig(**{k: v for k, v in options.items() if k in rc_names})

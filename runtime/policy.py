@@ -22,7 +22,7 @@ class BudgetPolicy:
     def __init__(self, rc: RuntimeConfig, page_size: int, l1_tokens: int, prefill_ahead: bool, has_host_tier: bool,
                  cuda: bool = False):
         self.page_size = page_size
-        self.decode_while_loading = rc.enable_decode_while_loading or (cuda and not rc.disable_decode_while_loading)
+        self.decode_while_loading = rc.features(cuda).decode_while_loading
         self.max_prefill_tokens = rc.max_prefill_tokens or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU)
         self.max_running = rc.max_running_requests
         self.chunk_size = rc.chunked_prefill_size

@@ -24,9 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible and SGLang-native APIs).",
                            description="Serve a model over HTTP. With no --model-path: the embedded "
                                        "SmolLM2-135M-Instruct.")
-    add_dataclass_flags(serve, ServerConfig, "server")
-    add_dataclass_flags(serve, RuntimeConfig, "model and scheduling")
-    add_dataclass_flags(serve, HiCacheConfig, "KV cache")
+    add_serve_flags(serve)
     stats = sub.add_parser("stats", help="Show per-tier KV cache statistics of a running server.")
     stats.add_argument("--url", action="append", default=None,
                        help=f"Server base URL (default: $HICACHE_URL or {DEFAULT_URL}); repeat it for several "
@@ -37,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--api-key", default=os.environ.get("HICACHE_API_KEY"),
                        help="Bearer key, if the server was started with --api-key (default: $HICACHE_API_KEY).")
     return parser
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `hicache serve`, a group per config dataclass."""
+    add_dataclass_flags(parser, ServerConfig, "server")
+    add_dataclass_flags(parser, RuntimeConfig, "model and scheduling")
+    add_dataclass_flags(parser, HiCacheConfig, "KV cache")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,7 +133,7 @@ class TokenizerManager:
     def redact(self, value):
         """`value` (text, or a JSON-like value) as the server may show or log it: URL passwords,
         and the L3 URL's password wherever it appears, masked."""
-        url = self.cache_config.storage_extra.get("url")
+        url = self.cache_config.backend_options.get("url")
         secret = url_password(url) if isinstance(url, str) else None
         return redact_obj(value, (secret,) if secret else ())
 

@@ -14,6 +14,100 @@ import torch
 IO_BACKENDS = ("direct", "kernel")  # how host <-> device page copies run on CUDA (hicache_io_backend)
 
 
+class StorageOption(NamedTuple):
+    """A key of `hicache_storage_backend_extra_config`: the type of its value (an int passes for a
+    float), its default (None: none, or as `help` says; a value of None passes then), the least
+    value it takes (numbers; `above`: more than that) and what it does."""
+
+    kind: type
+    default: object
+    help: str
+    minimum: float | None = None
+    above: bool = False
+
+    def check(self, key: str, value: object) -> None:
+        """ValueError naming `key` when `value` is not of `kind` or out of range."""
+        if value is None and self.default is None:
+            return
+        if not _fits(self.kind, value):
+            raise ValueError(f"{key} must be {_KINDS[self.kind]}, got {value!r}")
+        if self.minimum is not None and (value <= self.minimum if self.above else value < self.minimum):
+            raise ValueError(f"{key} must be {'>' if self.above else '>='} {self.minimum}, got {value!r}")
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _fits(kind: type, value: object) -> bool:
+    if kind is bool or isinstance(value, bool):  # True is an int to Python, not to a config
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def check_storage_options(owner: str, options: dict, accepted: dict[str, StorageOption]) -> None:
+    """ValueError naming the first key of `options` that `accepted` lacks (listing the keys it
+    has) or whose value its `StorageOption` refuses."""
+    for key, value in options.items():
+        if key not in accepted:
+            raise ValueError(f"{owner} does not take {key} (it takes {', '.join(accepted) or 'no options'})")
+        accepted[key].check(f"{owner}: {key}", value)
+
+
+class StorageBackendEntry(NamedTuple):
+    """An L3 backend: its class ("module:class", imported by `hicache.tiers.remote` when the
+    backend is asked for) and the options its constructor takes, keys of the extra config."""
+
+    target: str
+    options: dict[str, StorageOption]
+
+
+_TIMEOUT = "Seconds a connection attempt may take before the backend counts as down."
+STORAGE_BACKENDS: dict[str, StorageBackendEntry] = {  # hicache_storage_backend's names, "none" aside
+    "lmdb": StorageBackendEntry("hicache.tiers.remote.lmdb:LmdbBackend", {
+        "path": StorageOption(str, None, "Folder of the store (default: $HICACHE_HOME/storage/lmdb); servers "
+                                         "on one machine may share it."),
+        "size_cap_gb": StorageOption(float, 16.0, "Stored bytes (GB) past which the least recently used pages "
+                                                  "are evicted, down to 90%.", 0, above=True),
+        "map_size_gb": StorageOption(float, None, "LMDB map size (GB), shared by the shards; default: 1.25 x "
+                                                  "size_cap_gb plus 64 MiB a shard.", 0, above=True),
+        "sync": StorageOption(bool, False, "Flush every commit to disk (durable across a power loss, slower)."),
+        "min_free_mb": StorageOption(float, 64.0, "Free disk space (MB) a write must leave; short of it, "
+                                                  "writes reuse the store's own pages (evicting).", 0),
+        "shards": StorageOption(int, None, "LMDB environments of a new store, a writer thread each (1 to 64; "
+                                           "default: the cores, at most 8); a store keeps the count it was "
+                                           "made with.", 1),
+    }),
+    "redis": StorageBackendEntry("hicache.tiers.remote.redis:RedisBackend", {
+        "url": StorageOption(str, "redis://127.0.0.1:6379/0", "Redis server URL (a password in it is never "
+                                                              "shown)."),
+        "key_prefix": StorageOption(str, "hicache", "First part of every key (<prefix>:<namespace>:<page>), "
+                                                    "which keeps tenants sharing a server apart."),
+        "socket_timeout": StorageOption(float, 2.0, "Seconds a call may take before the backend counts as down.",
+                                        0, above=True),
+        "connect_timeout": StorageOption(float, 1.0, _TIMEOUT, 0, above=True),
+        "max_connections": StorageOption(int, 8, "Connections of the pool (the I/O threads share them).", 1),
+    }),
+    "mooncake": StorageBackendEntry("hicache.tiers.remote.mooncake:MooncakeBackend", {
+        "master": StorageOption(str, "127.0.0.1:50051", "host:port of the Mooncake master."),
+        "metadata_server": StorageOption(str, "http://127.0.0.1:8080/metadata", "The transfer engine's metadata "
+                                                                                "server URL."),
+        "protocol": StorageOption(str, "tcp", "Transfer protocol: tcp, or rdma where the NICs have it."),
+        "device_name": StorageOption(str, "", "RDMA device(s) to use (empty: the transfer engine's choice)."),
+        "local_hostname": StorageOption(str, "127.0.0.1", "Address the other clients reach this one at."),
+        "global_segment_mb": StorageOption(float, 1024, "Memory (MB) this server mounts into the distributed "
+                                                        "pool.", 0, above=True),
+        "local_buffer_mb": StorageOption(float, 256, "Registered buffer (MB) of this client's transfers.", 0,
+                                         above=True),
+        "key_prefix": StorageOption(str, "hicache", "First part of every key (<prefix>:<namespace>:<page>)."),
+        "connect_timeout": StorageOption(float, 1.0, _TIMEOUT, 0, above=True),
+    }),
+    "memory": StorageBackendEntry("hicache.tiers.remote.memory:MemoryBackend", {
+        "store": StorageOption(str, None, "Name of a store shared by the engines of one process that give it "
+                                          "(default: one private to the engine)."),
+    }),
+}
+
+
 class PageAllocator(Protocol):
     """Allocates KV slots a page at a time.
 

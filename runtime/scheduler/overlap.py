@@ -1,9 +1,9 @@
 """Overlap scheduling: the host prepares step t+1 while the device runs step t.
 
 Without it a step is schedule -> run -> wait for the sampled ids -> apply, and the device idles
-while the host builds the batch, checks stops and emits. With it (`Scheduler.step` on CUDA unless
-`disable_overlap_schedule`; on CPU with `enable_overlap_schedule`, for the tests: no speedup there)
-a step's results are applied one `step()` later:
+while the host builds the batch, checks stops and emits. With it (`Scheduler.step` where
+`overlap_schedule` is on: by default with CUDA; on CPU when asked for, with no speedup there) a
+step's results are applied one `step()` later:
 
 - A step that follows a decode step of the whole running set (or an extend of every running
   request's forced run or next token: jump-forward; requests that sit out while their prefix

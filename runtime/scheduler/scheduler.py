@@ -53,9 +53,10 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.counters = Counters()
         cuda = self.runner.device.type == "cuda"
-        self.jump = JumpForward(rc.enable_jump_forward or not (cuda or rc.disable_jump_forward), self.tokenizer,
-                                self.stop_checker, self.context_length, self.counters)
-        overlap = rc.enable_overlap_schedule or (cuda and not rc.disable_overlap_schedule)
+        features = rc.features(cuda)
+        self.jump = JumpForward(features.jump_forward, self.tokenizer, self.stop_checker, self.context_length,
+                                self.counters)
+        overlap = features.overlap_schedule
         prefill_ahead = overlap and not rc.disable_prefill_ahead
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens, prefill_ahead,
                                    self.cache.has_host_tier, cuda)

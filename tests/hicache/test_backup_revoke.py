@@ -3,8 +3,8 @@
 backup that has started keeps its pages."""
 from __future__ import annotations
 
+from hicache.config import StorageOptions
 from hicache.manager import CacheManager, StorageSetup
-from hicache.prefetch import StorageOptions
 from hicache.tree import RadixTree
 import cache_fakes as fakes
 

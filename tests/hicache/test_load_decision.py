@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hicache.decide import PROBE_EVERY, LoadDecider
+from hicache.config import StorageOptions
 from hicache.manager import CacheManager, Lease, StorageSetup
-from hicache.prefetch import StorageOptions
 from hicache.tree import RadixTree
 import cache_fakes as fakes
 

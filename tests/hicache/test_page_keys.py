@@ -15,9 +15,9 @@ import pytest
 
 import hicache.pagekey as pagekey
 from hicache.backups import BackupQueue
+from hicache.config import StorageOptions
 from hicache.decide import LoadDecider
 from hicache.pagekey import PageKeys, namespace_seed, page_keys
-from hicache.prefetch import StorageOptions
 from hicache.storage import StorageController
 from hicache.tree import RadixTree
 import cache_fakes as fakes

@@ -107,7 +107,7 @@ def test_engine_on_cpu_runs_the_cpu_backend(tiny_config_path):
     from hicache.runtime.engine import Engine
 
     with Engine(str(tiny_config_path), load_format="dummy", max_total_tokens=256, device="cpu",
-                disable_hierarchical_cache=True) as engine:
+                hierarchical_cache=False) as engine:
         attn = engine.scheduler.runner.attn
         assert isinstance(attn, CpuAttention if cpu.available() else TorchAttention)  # resolved when built
         out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 2})

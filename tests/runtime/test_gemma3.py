@@ -91,7 +91,7 @@ def test_windowed_pool_on_cuda_matches_hf(gemma, io):
     kernels and the decode CUDA graphs reading translated slots; with an L2 (`io`: its copy
     backend), backups, windowed load-backs and window repairs through the window map."""
     runtime = dict(device="cuda", dtype="float32", attention_backend="triton")
-    cache = dict(disable_hierarchical_cache=True) if io == "none" else dict(hicache_io_backend=io)
+    cache = dict(hierarchical_cache=False) if io == "none" else dict(hicache_io_backend=io)
     two_rounds(*gemma, scheduler(gemma[0], runtime=runtime, **cache), host=io != "none")
     branch_after_tombstones(*gemma, scheduler(gemma[0], 256, runtime, **cache), host=io != "none")
 
@@ -161,7 +161,7 @@ def test_window_parts_dropped_multi_turn_match_hf(gemma, tmp_path, kind):
     finished one leaves tombstones before its last W tokens. The next turn matches across those
     tombstones, and every output equals HF's (Mistral: every layer windowed, no global pool)."""
     folder, hf = gemma if kind == "gemma3" else (tmp_path, save_tiny("mistral", tmp_path))
-    sched = scheduler(folder, total=256, disable_hierarchical_cache=True)
+    sched = scheduler(folder, total=256, hierarchical_cache=False)
     assert sched.runner.pool.window_layers == {i for i, w in enumerate(sched.runner.pool.k_buffers)
                                                if w.shape[0] == sched.runner.pool.window_slots}
     first = prompts(3, (30, 41, 17))
@@ -196,8 +196,8 @@ def test_branches_inside_tombstoned_prefixes_match_hf(gemma, host, overlap):
     rng = random.Random(5)
     base = [rng.randrange(3, VOCAB) for _ in range(60)]
     batch = [base + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (3, 9, 14, 0)] + prompts(7, (33, 50))
-    sched = scheduler(folder, total=160, runtime=dict(enable_overlap_schedule=overlap),
-                      disable_hierarchical_cache=not host)
+    sched = scheduler(folder, total=160, runtime=dict(overlap_schedule=overlap),
+                      hierarchical_cache=host)
     got = run(sched, batch, "s")
     for i, p in enumerate(batch):
         assert got[f"s{i}"][0] == greedy(hf, p, NEW)[0], i
@@ -210,7 +210,7 @@ def test_branch_inside_tombstones_repaired_from_l2_matches_hf(gemma, host):
     another request reuses; a prompt that branches off at token 40 finds those 40 tokens cached
     with an L2 (the window parts of tokens 32..39 come back from their L2 copies), none without;
     both outputs equal HF's."""
-    branch_after_tombstones(*gemma, scheduler(gemma[0], total=256, disable_hierarchical_cache=not host), host)
+    branch_after_tombstones(*gemma, scheduler(gemma[0], total=256, hierarchical_cache=host), host)
 
 
 def branch_after_tombstones(folder, hf, sched, host: bool) -> None:

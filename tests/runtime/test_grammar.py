@@ -24,7 +24,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def engine(default_model_path):
-    e = make_engine(default_model_path, enable_overlap_schedule=True, max_total_tokens=384, page_size=16)
+    e = make_engine(default_model_path, overlap_schedule=True, max_total_tokens=384, page_size=16)
     yield e
     e.shutdown()
 

@@ -35,7 +35,7 @@ from transfer_fakes import Faults, LateTransfer, LazyTransfer
 def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, park=False, **cache) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
-                       enable_overlap_schedule=overlap, enable_decode_while_loading=park)
+                       overlap_schedule=overlap, decode_while_loading=park)
     # the tiny model recomputes faster than L2 loads: tests of the tiers' mechanics load every hit
     return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **{"hicache_load_decision": "always", **cache}))
 

@@ -37,12 +37,12 @@ THRESHOLD = 16
 
 
 def l3_scheduler(config_path, backend="lmdb", policy="wait_complete", total=256, ratio=2.0, overlap=False,
-                 io="process", **extra) -> Scheduler:
+                 io="process", radix=True, **extra) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=48, max_prefill_tokens=96,
-                       enable_overlap_schedule=overlap)
+                       overlap_schedule=overlap)
     # the tiny model recomputes faster than L3 loads: tests of the tiers' mechanics load every hit
-    cc = HiCacheConfig(page_size=PAGE, hicache_ratio=ratio, hicache_storage_backend=backend,
+    cc = HiCacheConfig(page_size=PAGE, disable_radix_cache=not radix, hicache_ratio=ratio, hicache_storage_backend=backend,
                        hicache_storage_prefetch_policy=policy, hicache_load_decision="always", hicache_storage_io=io,
                        hicache_storage_backend_extra_config={"prefetch_threshold": THRESHOLD, **extra})
     return build_scheduler(rc, cc)
@@ -88,7 +88,7 @@ def run_each(sched: Scheduler, ps: list[list[int]], tag: str) -> list[list]:
 @pytest.fixture(scope="module")
 def reference(tiny_config_path):
     """Greedy outputs with no cache at all, per prompt (memoised; new prompts run as one batch)."""
-    sched = l3_scheduler(tiny_config_path, backend="none", total=16384, disable_radix_cache=True)
+    sched = l3_scheduler(tiny_config_path, backend="none", total=16384, radix=False)
     memo: dict[tuple, list[int]] = {}
 
     def outputs(ps: list[list[int]]) -> list[list[int]]:

@@ -34,8 +34,8 @@ def scheduler(config_path, overlap: bool, total=1024, running=8, page_size=4, de
               ahead: bool = True, **cache) -> Scheduler:
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total, schedule_policy=policy,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
-                       device=device, dtype="float32", enable_overlap_schedule=overlap and device == "cpu",
-                       disable_overlap_schedule=not overlap, disable_prefill_ahead=not ahead)
+                       device=device, dtype="float32", overlap_schedule=overlap,
+                       disable_prefill_ahead=not ahead)
     cache.setdefault("hicache_storage_backend", "none")
     sched = build_scheduler(rc, HiCacheConfig(page_size=page_size, **cache))
     assert (sched.overlap is not None) == overlap
@@ -210,19 +210,22 @@ def test_engine_n_seeded_and_flags(tiny_config_path):
                sampling_params={"n": 3, "seed": 11, "temperature": 0.8, "max_new_tokens": 12, "ignore_eos": True})
     outs = []
     for overlap in (False, True):
-        with Engine(str(tiny_config_path), enable_overlap_schedule=overlap, **kw) as eng:
+        with Engine(str(tiny_config_path), overlap_schedule=overlap, **kw) as eng:
             assert (eng.scheduler.overlap is not None) == overlap
             outs.append([o["output_ids"] for o in eng.generate(**req)])
             eng.check_integrity()
     assert outs[0] == outs[1] and len(outs[0]) == 6
-    with pytest.raises(ValueError, match="overlap"):
-        RuntimeConfig(enable_overlap_schedule=True, disable_overlap_schedule=True)
+    with pytest.raises(TypeError, match="overlap_schedule=True"):
+        Engine(str(tiny_config_path), enable_overlap_schedule=True, **kw)
     from hicache.server.flags import add_dataclass_flags, config_from_args
 
     parser = argparse.ArgumentParser()
     add_dataclass_flags(parser, RuntimeConfig, "runtime")
-    assert config_from_args(RuntimeConfig, parser.parse_args(["--disable-overlap-schedule"])).disable_overlap_schedule
-    assert not config_from_args(RuntimeConfig, parser.parse_args([])).disable_overlap_schedule
+    given = {flags: config_from_args(RuntimeConfig, parser.parse_args(flags)).overlap_schedule
+             for flags in ((), ("--disable-overlap-schedule",), ("--enable-overlap-schedule",))}
+    assert given == {(): None, ("--disable-overlap-schedule",): False, ("--enable-overlap-schedule",): True}
+    assert [RuntimeConfig(overlap_schedule=v).features(cuda).overlap_schedule
+            for v in (None, False, True) for cuda in (False, True)] == [False, True, False, False, True, True]
 
 
 def multiturn(n_convs: int, turn: int, rounds: int = 3, stem: int = 24):

@@ -33,7 +33,7 @@ NEW = 6
 def scheduler(config_path, tp_size: int, total: int, **cache):
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=32, max_prefill_tokens=64,
-                       enable_overlap_schedule=True, tp_size=tp_size)
+                       overlap_schedule=True, tp_size=tp_size)
     return build_scheduler(rc, HiCacheConfig(**{"hicache_load_decision": "always", **cache}))
 
 

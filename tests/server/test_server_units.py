@@ -186,7 +186,9 @@ def test_serve_help_explains_every_flag(capsys):
     text = capsys.readouterr().out
     for cls in (RuntimeConfig, HiCacheConfig, ServerConfig):
         for f in dataclasses.fields(cls):
-            assert "--" + f.name.replace("_", "-") in text
+            flag = f.name.replace("_", "-")
+            tri_state = f.type == "bool | None"
+            assert (f"--enable-{flag}, --disable-{flag}" if tri_state else f"--{flag}") in text
     assert "Tokens per KV page" in text
 
 

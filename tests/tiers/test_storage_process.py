@@ -134,7 +134,7 @@ def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
     with pytest.raises(ValueError, match="does not take colour"):
         StorageProcess("lmdb", NS, None, {"path": str(tmp_path), "colour": 1}, pool, 2)
     with pytest.raises(ValueError, match="shards"):  # raised by the backend in the child, named here
-        StorageProcess("lmdb", NS, None, {"path": str(tmp_path), "shards": 0}, pool, 2)
+        StorageProcess("lmdb", NS, None, {"path": str(tmp_path), "shards": 65}, pool, 2)
     with pytest.raises(ValueError, match="shared memory"):
         StorageProcess("lmdb", NS, None, {"path": str(tmp_path)}, HostKVPool(64, 4, 3, 2, 8, torch.float32), 2)
 

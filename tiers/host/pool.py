@@ -178,7 +178,7 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, r
             f"Not enough host memory for the host KV pool: it needs {need / 2**30:.2f} GiB "
             f"({tokens} tokens x {bytes_per_token} B), {available / 2**30:.2f} GiB is available and "
             f"{reserve / 2**30:.2f} GiB is kept for the OS; lower hicache_ratio / hicache_size "
-            "or pass disable_hierarchical_cache")
+            "or pass hierarchical_cache=False (--disable-hierarchical-cache)")
     return tokens
 
 

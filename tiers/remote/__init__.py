@@ -1,27 +1,23 @@
 """L3: storage backends behind one registry, and the I/O worker that moves pages between them and
 the host pool.
 
-`make_backend(name, namespace, secret, **options)` imports a backend's module (and its optional
-dependency: lmdb, redis, mooncake) only when that backend is asked for, so `import hicache` needs neither.
-Unknown options are a ValueError naming them.
+The registry is `hicache.tiers.base.STORAGE_BACKENDS` (each backend's class and the options it
+takes, torch-free data the config checks too). `make_backend(name, namespace, secret, **options)`
+imports a backend's module (and its optional dependency: lmdb, redis, mooncake) only when that
+backend is asked for, so `import hicache` needs neither. An option the backend does not take, or a
+value of the wrong type or range, is a ValueError naming it.
 """
 from __future__ import annotations
 
 import importlib
-import inspect
 
-BACKENDS = {  # name -> "module:class"
-    "lmdb": "hicache.tiers.remote.lmdb:LmdbBackend",
-    "redis": "hicache.tiers.remote.redis:RedisBackend",
-    "memory": "hicache.tiers.remote.memory:MemoryBackend",
-    "mooncake": "hicache.tiers.remote.mooncake:MooncakeBackend",
-}
+from hicache.tiers.base import STORAGE_BACKENDS, check_storage_options
 
 
 def backend_class(name: str) -> type:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    module, _, cls = BACKENDS[name].partition(":")
+    if name not in STORAGE_BACKENDS:
+        raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(STORAGE_BACKENDS)}")
+    module, _, cls = STORAGE_BACKENDS[name].target.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -33,11 +29,7 @@ def make_backend(name: str, namespace: str, secret: str | bytes | None = None, *
 
 
 def check_options(name: str, options: dict) -> type:
-    """The class of backend `name`; ValueError naming any of `options` it does not take."""
+    """The class of backend `name`; ValueError naming any of `options` it does not take or refuses."""
     cls = backend_class(name)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "namespace", "secret"}
-    unknown = set(options) - accepted
-    if unknown:
-        raise ValueError(f"storage backend {name!r} does not take {', '.join(sorted(unknown))} "
-                         f"(it takes {', '.join(sorted(accepted)) or 'no options'})")
+    check_storage_options(f"storage backend {name!r}", options, STORAGE_BACKENDS[name].options)
     return cls
