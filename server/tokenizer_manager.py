@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
 from hicache.runtime.redact import redact_obj, url_password
-from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from hicache.runtime.tokenizer import apply_chat_template, describe_tokenizer, load_tokenizer, render_chat_template
 from hicache.server import scheduler_process
 from hicache.server.aggregate import merge_replicas
 from hicache.server.ipc import ControlReply, SchedulerReady
@@ -166,6 +166,15 @@ class TokenizerManager:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The rendered conversation as text; ValueError if impossible."""
         return render_chat_template(self._tok(), messages, add_generation_prompt)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """ValueError when the model has no tokenizer."""
+        return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenizer_info(self) -> dict:
+        """`describe_tokenizer` of the model's tokenizer, with the served context length;
+        ValueError when it has none."""
+        return {**describe_tokenizer(self._tok()), "model_max_length": self.info.context_length}
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
