@@ -64,6 +64,7 @@ class TokenizerManager:
                                  warm_up, self._route, self._replica_died, self.redact)
                          for rank in range(self.router.replicas)]
         self.tokenizer = None
+        self._special_ids: frozenset[int] = frozenset()
         self._closing = False
         self._states: dict[str, _ReqState] = {}
         self._aborting: dict[str, int] = {}  # rid -> replica, closed early, abort not yet confirmed
@@ -83,6 +84,7 @@ class TokenizerManager:
             tok_task.cancel()
             raise failed
         self.tokenizer = await tok_task
+        self._special_ids = frozenset(self.tokenizer.all_special_ids) if self.tokenizer is not None else frozenset()
         for rep in self.replicas:
             self.router.fit(rep.rank, _cache_tokens(rep))
             rep.watch(self.restart_scheduler, timeout, self._fatal, self._task_ended)
@@ -175,6 +177,10 @@ class TokenizerManager:
         """`describe_tokenizer` of the model's tokenizer, with the served context length;
         ValueError when it has none."""
         return {**describe_tokenizer(self._tok()), "model_max_length": self.info.context_length}
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special token (left out of texts that skip them)."""
+        return token_id in self._special_ids
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
