@@ -15,7 +15,7 @@ import threading
 from typing import Iterator, NamedTuple
 
 from hicache.lang.backend import Backend
-from hicache.lang.ir import Expr, Exprs, Gen, RoleBegin, RoleEnd, Select, Text, describe
+from hicache.lang.ir import Expr, Exprs, Gen, RoleBegin, RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd, describe
 
 COMMIT = {"max_new_tokens": 1, "temperature": 0.0}  # a prefill that leaves the prompt in the cache
 SCORE = {"max_new_tokens": 0, "temperature": 0.0}
@@ -48,6 +48,7 @@ class Executor:
         self.steps = 0
         self.current: Expr | None = None
         self.pending: set[str] = set()  # variables submitted and not yet set
+        self.scopes: dict[str, int] = {}  # open variable scopes: where each one's text begins
         self.cond = threading.Condition()
         self.queue: queue.Queue = queue.Queue()
         self.worker: threading.Thread | None = None
@@ -161,6 +162,10 @@ class Executor:
             self._role_begin(e.role)
         elif isinstance(e, RoleEnd):
             self._role_end(e.role)
+        elif isinstance(e, VarScopeBegin):
+            self.scopes[e.name] = len(self.text_)
+        elif isinstance(e, VarScopeEnd):
+            self._scope_end(e.name)
         else:
             raise TypeError(f"cannot execute {type(e).__name__}")
 
@@ -221,6 +226,15 @@ class Executor:
         self.messages_.append({"role": role, "content": content.lstrip()})
         self.role = None
 
+    def _scope_end(self, name: str) -> None:
+        if name not in self.scopes:
+            raise ValueError(f"variable scope {name!r} ends, but it was not begun")
+        start = self.scopes.pop(name)
+        with self.cond:
+            self.variables[name] = self.text_[start:]
+            self.pending.discard(name)
+            self.cond.notify_all()
+
     # ---- state changes (under the condition, for readers on other threads) -------------------
 
     def _append(self, text: str) -> None:
@@ -247,7 +261,7 @@ class Executor:
     def _child(self, name: str) -> Executor:
         kid = Executor(self.backend, self.defaults, self.logprob_defaults, name, self.stream)
         kid.text_, kid.messages_, kid.variables = self.text_, list(self.messages_), dict(self.variables)
-        kid.anchor, kid.role = self.anchor, self.role
+        kid.anchor, kid.role, kid.scopes = self.anchor, self.role, dict(self.scopes)
         kid.role_start, kid.role_suffix = self.role_start, self.role_suffix
         return kid
 
@@ -263,4 +277,6 @@ def normalized_logprob(token_logprobs: list) -> float:
 def _names(expr: Expr) -> set[str]:
     if isinstance(expr, Exprs):
         return set().union(*(_names(e) for e in expr.items)) if expr.items else set()
+    if isinstance(expr, VarScopeBegin):
+        return {expr.name}
     return {expr.name} if isinstance(expr, (Gen, Select)) and expr.name is not None else set()

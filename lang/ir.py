@@ -54,6 +54,18 @@ class RoleEnd(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class VarScopeBegin(Expr):
+    """Where the text of variable `name` begins (`with s.var_scope(name)`)."""
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class VarScopeEnd(Expr):
+    """Where it ends: the variable is the text appended since its `VarScopeBegin`."""
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
 class Exprs(Expr):
     items: tuple[Expr, ...]
 
@@ -77,6 +89,8 @@ def describe(e: Expr) -> str:
         return f"{type(e).__name__.lower()} {e.name!r}"
     if isinstance(e, (RoleBegin, RoleEnd)):
         return f"{type(e).__name__} {e.role!r}"
+    if isinstance(e, (VarScopeBegin, VarScopeEnd)):
+        return f"{type(e).__name__} {e.name!r}"
     return type(e).__name__.lower()
 
 

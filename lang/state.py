@@ -1,13 +1,14 @@
 """`ProgramState` (the `s` of a program) and `ProgramStateGroup` (what `s.fork(n)` returns), with
 SGLang's methods: `s += expr`, `s["name"]`, `s.text()`, `s.messages()`, `s.text_iter()`,
-`s.get_meta_info(name)`, `s.fork(n)`, `forks.join()`, and `with s.user(): ...` role scopes."""
+`s.get_meta_info(name)`, `s.fork(n)`, `forks.join()`, `with s.user(): ...` role scopes and
+`with s.var_scope(name): ...` variable scopes."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from hicache.lang.executor import Executor, ProgramError
-from hicache.lang.ir import Expr, RoleBegin, RoleEnd, as_expr
+from hicache.lang.ir import Expr, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
 
 
 class ProgramState:
@@ -36,7 +37,8 @@ class ProgramState:
 
     def get_meta_info(self, name: str) -> dict | None:
         """The `meta_info` of the call that set variable name (prompt and cached tokens,
-        logprobs when asked for); for a `select`, its per-choice scores."""
+        logprobs when asked for); for a `select`, its per-choice scores; for a variable the
+        branches of a fork set, after `join()`, the list of theirs."""
         self.executor.get_var(name)
         return self.executor.meta_info.get(name)
 
@@ -60,6 +62,13 @@ class ProgramState:
         """The text (or one variable) piece by piece as it is generated (`run(stream=True)`);
         without streaming, all of it at once when done."""
         return self.executor.stream_text(var_name)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Variable `name` is the text appended inside the `with` block, generations included."""
+        self.executor.submit(VarScopeBegin(name))
+        yield
+        self.executor.submit(VarScopeEnd(name))
 
     def fork(self, size: int = 1) -> ProgramStateGroup:
         return ProgramStateGroup([ProgramState(e) for e in self.executor.fork(int(size))], self)
@@ -101,7 +110,7 @@ class ProgramState:
 class ProgramStateGroup:
     """The branches of a fork. `forks += expr` appends to every branch (a callable gets the
     branch index, a list gives one item a branch); `join()` waits for them and gathers each new
-    variable into a list in the parent."""
+    variable, and its meta_info, into a list in the parent."""
 
     def __init__(self, states: list[ProgramState], parent: ProgramState):
         self.states, self.parent = states, parent
@@ -130,6 +139,7 @@ class ProgramStateGroup:
             for name, value in state.executor.variables.items():
                 if name not in known:
                     parent.variables.setdefault(name, []).append(value)
+                    parent.meta_info.setdefault(name, []).append(state.executor.meta_info.get(name))
         for state in self.states:
             state.executor.end()
 

@@ -18,13 +18,18 @@ class Counters(dict):
                          jump_forward_tokens=0)
 
     def count_cached(self, req: Req, prefix: int, loaded: int) -> None:
-        """At `req`'s first admission: `prefix` tokens came from the cache, `loaded` of them back
-        from L2, of which those in its committed L3 prefetch range came from storage."""
+        """At `req`'s first admission: `prefix` tokens came from the cache, `loaded` of them (the
+        last ones) back from L2, of which those in its committed L3 prefetch range came from
+        storage. Only the prompt counts, all but its last token, as for every request (whose
+        match stops before its last token): the prefix may also cover output tokens that a grammar
+        forced before the first step (an earlier request left the same ones in the tree)."""
         start, end = req.storage_range  # the loaded-back part [prefix - loaded, prefix) may include it
-        storage = max(0, min(end, prefix) - max(start, prefix - loaded))
-        req.cached_tokens, req.cached_host, req.cached_storage = prefix, loaded - storage, storage
-        self["cached_device"] += prefix - loaded
-        self["cached_host"] += loaded - storage
+        cached = min(prefix, len(req.input_ids) - 1)
+        device = min(prefix - loaded, cached)
+        storage = max(0, min(end, cached) - max(start, prefix - loaded))
+        req.cached_tokens, req.cached_host, req.cached_storage = cached, cached - device - storage, storage
+        self["cached_device"] += device
+        self["cached_host"] += cached - device - storage
         self["cached_storage"] += storage
 
     def hits(self) -> dict[str, int]:

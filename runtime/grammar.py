@@ -3,7 +3,8 @@
 - `check_grammar(kind, text)` parses a grammar without a tokenizer (a fraction of a millisecond to
   milliseconds; the texts that parsed are remembered, so that a batch of requests with one schema
   parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
-  regex or EBNF is a 400 naming the field before anything is queued.
+  regex or EBNF is a 400 naming the field before anything is queued; so is a schema keyword the
+  grammar would not enforce (`runtime/schema_keywords.py`).
 - `GrammarCompiler` belongs to the scheduler. It records a step's tokens for their matchers
   (`accept`), and compiles for the model's tokenizer on a small thread pool, so that the scheduler
   thread never waits for a compilation: a request stays in the queue until its grammar is ready,
@@ -37,6 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 from hicache.runtime.json_grammar import json_schema_grammar
+from hicache.runtime.schema_keywords import unenforced
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ def check_grammar(kind: str, text: str) -> None:
     ValueError starting with `kind` when it is not one."""
     import xgrammar as xgr
 
+    why = _unenforced_keyword(text) if kind == "json_schema" else None
+    if why is not None:
+        raise ValueError(f"{kind} is a schema the output could break: {why}; remove it or reword the schema")
     try:
         if kind == "json_schema":
             json.loads(text)  # a clearer message than the converter's for plain JSON errors
@@ -68,6 +73,15 @@ def check_grammar(kind: str, text: str) -> None:
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: a structure lacks {e}") from None
     except (ValueError, RuntimeError, TypeError) as e:  # json, xgrammar's parsers
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: {_short(e)}") from None
+
+
+def _unenforced_keyword(text: str) -> str | None:
+    """`schema_keywords.unenforced` of the schema text; None for text that is not JSON (the parse
+    that follows says why)."""
+    try:
+        return unenforced(json.loads(text))
+    except ValueError:
+        return None
 
 
 _NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar",

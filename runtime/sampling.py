@@ -85,9 +85,10 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         for key in d:
-            if key not in _FIELD_NAMES:
+            if key not in _FIELD_NAMES and key not in INERT_VALUES:
                 raise ValueError(f"unknown sampling parameter {key!r}")
-        kwargs = {k: _VALIDATORS[k](k, v, vocab_size) for k, v in d.items() if v is not None}
+        _check_inert(d)
+        kwargs = {k: _VALIDATORS[k](k, v, vocab_size) for k, v in d.items() if v is not None and k in _FIELD_NAMES}
         given = [k for k in GRAMMAR_KINDS if k in kwargs]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one grammar constraint")
@@ -95,6 +96,19 @@ class SamplingParams:
 
 
 # ---- validation ---------------------------------------------------------------------------------
+
+# SGLang's sampling parameters that this runtime does not implement, with the values that ask for
+# nothing (what SGLang's frontend language sends by default): accepted at those, else refused.
+INERT_VALUES: dict[str, tuple] = {"min_new_tokens": (0,), "stop_regex": ((), [], "")}
+_INERT_SHOWN = {"min_new_tokens": "0", "stop_regex": "null or an empty list"}
+
+
+def _check_inert(d: dict) -> None:
+    for key, inert in INERT_VALUES.items():
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not any(v == x and type(v) is type(x) for x in inert)):
+            raise ValueError(f"{key} is not implemented: only {_INERT_SHOWN[key]} (which asks for nothing) "
+                             f"is accepted, got {v!r}")
 
 
 def _int(name: str, v: Any) -> int:

@@ -60,6 +60,23 @@ def render_chat_template(tokenizer: Any, messages: list[dict], add_generation_pr
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def describe_tokenizer(tokenizer: Any) -> dict:
+    """What a remote client needs to stand in for `tokenizer` (vLLM's `/tokenizer_info` keys): its
+    class, special tokens (None where it has none), added tokens by id, chat template and
+    whether encoding adds BOS / EOS."""
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    info.update({name: getattr(tokenizer, name, None) for name in SPECIAL_TOKENS})
+    info["added_tokens_decoder"] = {str(i): t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    info["chat_template"] = getattr(tokenizer, "chat_template", None)
+    for flag in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+        if isinstance(getattr(tokenizer, flag, None), bool):
+            info[flag] = getattr(tokenizer, flag)
+    return info
+
+
 def _require_template(tokenizer: Any) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")

@@ -188,7 +188,20 @@ class CompletionRequest(SamplingFields):
 # ---- native ---------------------------------------------------------------------------------
 
 
-class GenerateReqInput(RouterDefaults):
+class SGLangClientDefaults(RouterDefaults):
+    """Fields of SGLang's /generate body that its own clients send (`bench_serving`, the frontend
+    language's `RuntimeEndpoint`): accepted at the value that asks for nothing (false, null); any
+    other value asks for what this server does not do (LoRA adapters, routed experts, log-probs of
+    chosen token ids, images, sessions), a 400 naming the field."""
+
+    lora_path: None = None
+    return_routed_experts: Optional[Literal[False]] = None
+    token_ids_logprob: None = None
+    image_data: None = None
+    session_id: None = None
+
+
+class GenerateReqInput(SGLangClientDefaults):
     """SGLang's /generate body: the fields hicache acts on (any other is a 400 naming it)."""
 
     text: Optional[Union[str, list[str]]] = None

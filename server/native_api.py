@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
-from hicache.runtime.sampling import GRAMMAR_KINDS, SamplingParams
+from hicache.runtime.sampling import GRAMMAR_KINDS, INERT_VALUES, SamplingParams
 from hicache.server.bodies import AbortReqInput, GenerateReqInput
 from hicache.server.protocol import (
     APIError,
@@ -42,7 +42,7 @@ from hicache.server.tokenizer_manager import SchedulerUnavailable, TokenizerMana
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 MAX_N = 128  # samples per prompt
-NATIVE_RENAMES = {k: f"sampling_params.{k}" for k in (*GRAMMAR_KINDS, "logit_bias")}
+NATIVE_RENAMES = {k: f"sampling_params.{k}" for k in (*GRAMMAR_KINDS, *INERT_VALUES, "logit_bias")}
 
 
 # ---- /generate ------------------------------------------------------------------------------

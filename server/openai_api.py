@@ -47,6 +47,7 @@ class _Job:
     n: int
     logprobs: bool
     echo: str | list[str] | None = None
+    skip_special_tokens: bool = True
     created: int = 0
     tools: ToolPlan | None = None
 
@@ -125,6 +126,7 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
     sampling["max_new_tokens"] = min(limits)
     params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
+    job.skip_special_tokens = params.skip_special_tokens
     reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
                          logprob_start_len=0 if job.prompt_logprobs else -1)
     if body.stream:
@@ -149,7 +151,8 @@ def finish_reason_str(reason: dict | None) -> str | None:
 def _final_choice(tm, job: _Job, i: int, r: ChoiceResult) -> dict:
     text, reason = r.text, r.finish_reason
     new_ids = r.output_ids[-len(r.logprobs):] if r.logprobs else []
-    lp = _logprobs(tm, job, *_scored(job, i, r.input_logprobs, new_ids, r.logprobs), 0) if job.logprobs else None
+    new_ids, entries = _shown(tm, job, new_ids, r.logprobs, reason)
+    lp = _logprobs(tm, job, *_scored(job, i, r.input_logprobs, new_ids, entries), 0) if job.logprobs else None
     finish = finish_reason_str(reason)
     if job.kind == "chat":
         message, finish = final_message(job.tools, text, finish)
@@ -160,6 +163,17 @@ def _final_choice(tm, job: _Job, i: int, r: ChoiceResult) -> dict:
     choice["finish_reason"] = finish
     choice["matched_stop"] = (reason or {}).get("matched")
     return choice
+
+
+def _shown(tm: TokenizerManager, job: _Job, ids: list[int], entries: list,
+           reason: dict | None) -> tuple[list[int], list]:
+    """`ids` and their log-prob entries without the stop token that ended the output when the text
+    does not show it (a special token, skipped): the log-probs cover the text the answer holds."""
+    stop = (reason or {}).get("matched")
+    if (job.skip_special_tokens and entries and ids and isinstance(stop, int) and ids[-1] == stop
+            and tm.is_special(stop)):
+        return ids[:-1], entries[:-1]
+    return ids, entries
 
 
 def _scored(job: _Job, i: int, prompt: list | None, new_ids: list[int], entries: list) -> tuple[list[int], list]:
@@ -207,7 +221,8 @@ async def _sse(tm: TokenizerManager, job: _Job, stream: AsyncIterator, include_u
                 for event in _chat_events(tm, job, i, chunk, shapers[i], extra):
                     yield event
             elif chunk.text_delta or chunk.finish_reason is not None or (job.logprobs and chunk.logprobs):
-                scored = _scored(job, i, chunk.input_logprobs, chunk.new_ids, chunk.logprobs or [])
+                shown = _shown(tm, job, chunk.new_ids, chunk.logprobs or [], chunk.finish_reason)
+                scored = _scored(job, i, chunk.input_logprobs, *shown)
                 lp = _logprobs(tm, job, *scored, 0) if job.logprobs else None
                 yield _event(job.envelope([_delta(job, i, chunk.text_delta, chunk.finish_reason, lp)], chunk=True,
                                           **extra))
@@ -224,7 +239,8 @@ def _chat_events(tm: TokenizerManager, job: _Job, i: int, chunk: Chunk, shaper: 
     one, the finish reason with the last."""
     finished = chunk.finish_reason is not None
     deltas = shaper.deltas(chunk.text_delta, finished)
-    lp = _logprobs(tm, job, chunk.new_ids, chunk.logprobs or [], 0) if job.logprobs and chunk.logprobs else None
+    ids, entries = _shown(tm, job, chunk.new_ids, chunk.logprobs or [], chunk.finish_reason)
+    lp = _logprobs(tm, job, ids, entries, 0) if job.logprobs and entries else None
     if not deltas and (finished or lp is not None):
         deltas = [{}]
     for k, delta in enumerate(deltas):

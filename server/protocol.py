@@ -193,10 +193,20 @@ def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
         return f"{param}: this field is not supported by this server", param
+    if _asks_for_nothing_only(first):
+        expected = "null" if first["type"] == "none_required" else "false"
+        return f"{param}: {json.dumps(first.get('input'))[:100]} asks for what this server does not support " \
+               f"(only {expected} is accepted)", param
     if len({tuple(str(x) for x in e.get("loc", ())[:1]) for e in errors}) == 1 and len(errors) > 1:
         return f"{param or 'body'}: none of the accepted types matches ({first.get('msg')})", param
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{param or 'body'}: {first.get('msg')}{more}", param
+
+
+def _asks_for_nothing_only(error: dict) -> bool:
+    """An error of a field accepted only at the value that asks for nothing (null, false)."""
+    return error.get("type") == "none_required" or (
+        error.get("type") == "literal_error" and (error.get("ctx") or {}).get("expected") == "False")
 
 
 def _is_union_tag(x) -> bool:

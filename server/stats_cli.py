@@ -126,9 +126,11 @@ def _token_counts(stats: dict) -> tuple[dict, int]:
 
 
 def render(stats: dict, url: str = "") -> Group:
-    rates = hit_rates(stats)
+    """The summary, then one table a tier; a tier's hit tokens and hit rate are one count's
+    (`_token_counts`)."""
+    rates, (cached, _) = hit_rates(stats), _token_counts(stats)
     tiers = stats.get("tiers") or {}
-    tables = [_tier_table(name, tiers.get(name) or {}, rates[name]) for name in TIERS]
+    tables = [_tier_table(name, tiers.get(name) or {}, rates[name], cached.get(name)) for name in TIERS]
     return Group(_summary(stats, url), Columns(tables, padding=(0, 2)))
 
 
@@ -161,7 +163,7 @@ def _replica_row(r: dict, router: dict) -> tuple[str, ...]:
             f"{matched_pct} of prompts matched)", f"hit tokens {_num(hits)}")
 
 
-def _tier_table(name: str, tier: dict, rate: float | None) -> Table:
+def _tier_table(name: str, tier: dict, rate: float | None, hits: int | None) -> Table:
     """One tier: hit rate, occupancy, traffic, evictions, then whatever else the tier reports."""
     table = Table(title=f"[bold]{name}[/bold]", show_header=False, min_width=34)
     table.add_column("metric")
@@ -169,12 +171,12 @@ def _tier_table(name: str, tier: dict, rate: float | None) -> Table:
     if tier.get("enabled") is False or not tier:
         table.add_row("status", "disabled")
         return table
-    for label, value in _tier_rows(tier, rate):
+    for label, value in _tier_rows(tier, rate, hits):
         table.add_row(label, value)
     return table
 
 
-def _tier_rows(tier: dict, rate: float | None) -> list[tuple[str, str]]:
+def _tier_rows(tier: dict, rate: float | None, hits: int | None) -> list[tuple[str, str]]:
     used, cap = tier.get("used_tokens", 0), tier.get("capacity_tokens", 0)
     per_token = tier.get("bytes_per_token")
     rows = []
@@ -182,7 +184,7 @@ def _tier_rows(tier: dict, rate: float | None) -> list[tuple[str, str]]:
         status = redact(str(tier["status"]))  # an older server's may carry a URL with its password
         rows.append(("status", status if status == "ok" else f"[bold red]{status}[/bold red]"))
     rows += [("hit rate", "-" if rate is None else f"{100 * rate:.1f}%"),
-            ("hit tokens", _num(tier.get("hit_tokens"))),
+            ("hit tokens", _num(hits)),
             ("used / capacity", f"{_num(used)} / {_num(cap)} tok"),
             ("occupancy", f"{100 * used / cap:.1f}%" if cap else "-"),
             ("capacity", _bytes(cap * per_token) if per_token and cap else "-"),

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
 from hicache.runtime.redact import redact_obj, url_password
-from hicache.runtime.tokenizer import apply_chat_template, load_tokenizer, render_chat_template
+from hicache.runtime.tokenizer import apply_chat_template, describe_tokenizer, load_tokenizer, render_chat_template
 from hicache.server import scheduler_process
 from hicache.server.aggregate import merge_replicas
 from hicache.server.ipc import ControlReply, SchedulerReady
@@ -64,6 +64,7 @@ class TokenizerManager:
                                  warm_up, self._route, self._replica_died, self.redact)
                          for rank in range(self.router.replicas)]
         self.tokenizer = None
+        self._special_ids: frozenset[int] = frozenset()
         self._closing = False
         self._states: dict[str, _ReqState] = {}
         self._aborting: dict[str, int] = {}  # rid -> replica, closed early, abort not yet confirmed
@@ -83,6 +84,7 @@ class TokenizerManager:
             tok_task.cancel()
             raise failed
         self.tokenizer = await tok_task
+        self._special_ids = frozenset(self.tokenizer.all_special_ids) if self.tokenizer is not None else frozenset()
         for rep in self.replicas:
             self.router.fit(rep.rank, _cache_tokens(rep))
             rep.watch(self.restart_scheduler, timeout, self._fatal, self._task_ended)
@@ -166,6 +168,19 @@ class TokenizerManager:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The rendered conversation as text; ValueError if impossible."""
         return render_chat_template(self._tok(), messages, add_generation_prompt)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """ValueError when the model has no tokenizer."""
+        return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenizer_info(self) -> dict:
+        """`describe_tokenizer` of the model's tokenizer, with the served context length;
+        ValueError when it has none."""
+        return {**describe_tokenizer(self._tok()), "model_max_length": self.info.context_length}
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special token (left out of texts that skip them)."""
+        return token_id in self._special_ids
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""

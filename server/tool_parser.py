@@ -9,7 +9,7 @@ writes it). Text that may still turn out to open a call is held back, so that no
 the content. `finish()` releases what is left. `parse_text` runs the same machine over a whole
 text, so that a streamed answer and a non-streamed one read the same. Whitespace between text and
 a call is dropped. A block whose JSON is not a call stays content; a call cut short (by the token
-limit) keeps the arguments read so far.
+limit) keeps the arguments read so far, and one cut before its name is dropped.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import NamedTuple, Union
 from hicache.server.tools import ToolCall
 
 HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+_CALL_KEYS = ('{"name":', '{"arguments":', '{"parameters":')  # how a call's JSON begins, blanks removed
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.S)
 
 
@@ -168,8 +169,10 @@ class ToolParser:
         return _merge(events)
 
     def finish(self) -> list[Event]:
+        """What is left as content; a call cut short before its name (by the token limit) is
+        dropped, neither content nor a call."""
         events: list[Event] = []
-        if self.mode == "call" and self.call.id is None:
+        if self.mode == "call" and self.call.id is None and not self._cut_call():
             events.append(self.block + self.pending)
         elif self.mode in ("text", "start", "plain") or (self.mode == "between" and self.pending.strip()):
             events.append(self.pending)
@@ -179,6 +182,14 @@ class ToolParser:
     def tool_calls(self) -> list[ToolCall]:
         kept = self.calls if self.parallel else self.calls[:1]
         return [ToolCall(c.id, c.name, c.sent) for c in kept]
+
+    def _cut_call(self) -> bool:
+        """Whether the unfinished block began a call: after Hermes' tag, any JSON object; in
+        Llama 3's bare JSON, an object that begins as a call does."""
+        if self.fmt == "hermes":
+            return True
+        head = re.sub(r"\s+", "", self.call.text + self.pending)
+        return any(k.startswith(head) or head.startswith(k) for k in _CALL_KEYS)
 
     # ---- outside calls -----------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ for, each step extending the cached prefix of the step before, forks sharing the
 failures named by program and step."""
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -87,6 +88,26 @@ def test_forks_share_the_cached_prefix_and_equal_direct_calls(backend):
     want = complete(backend, [prefix + f"Idea {i + 1}:" for i in range(4)],
                     {"max_new_tokens": 4, "stop": ["\n"], "temperature": 0})
     assert state["idea"] == want
+    metas = state.get_meta_info("idea")  # gathered into the parent like the variable
+    assert metas == [branch.get_meta_info("idea") for branch in state.ret_value] and len(metas) == 4
+
+
+@sgl.function
+def city_json(s, nonce):
+    s += f"Record {nonce}. A JSON object describing Paris:\n"
+    with s.var_scope("json_output"):
+        s += '{\n  "name": ' + sgl.gen("name", max_tokens=6, regex=r'"[A-Za-z ]{1,12}"') + ",\n"
+        s += '  "population": ' + sgl.gen("population", max_tokens=6, regex=r"[0-9]{1,8}") + "\n}"
+    s += "\nDone."
+
+
+def test_var_scope_holds_the_text_appended_inside_it(backend):
+    """SGLang's `with s.var_scope(name)`: the variable is the text the scope appended, generations
+    included (the frontend's JSON examples build an object so)."""
+    state = city_json.run(nonce=uuid.uuid4().hex, temperature=0, backend=backend)
+    out = state["json_output"]
+    assert out == '{\n  "name": ' + state["name"] + ',\n  "population": ' + state["population"] + "\n}"
+    assert isinstance(json.loads(out)["population"], int) and state.text().endswith(out + "\nDone.")
 
 
 @sgl.function

@@ -266,3 +266,16 @@ def test_forced_text_tokenizes_as_after_the_last_tokens(engine):
     space = enc(" ")
     assert enc(" hello")[:1] != space  # the tail would merge with the text: the text is encoded alone
     assert forced_tokens(tok, space, "hello") == enc("hello")
+
+
+def test_cached_tokens_count_only_the_prompt_when_a_forced_run_is_cached_too(engine):
+    """A repeated request whose grammar forces text before its first token matches, in the tree,
+    its prompt and the forced tokens the first one left there: only the prompt counts as cached,
+    all but its last token, as for any request."""
+    forced = r"Certainly, here is the one sentence answer that you asked me for: (yes|no)\."
+    params = {"regex": forced, "max_new_tokens": 40, "temperature": 0}
+    engine.generate(ANSWER_PROMPT, sampling_params=params)
+    meta = engine.generate(ANSWER_PROMPT, sampling_params=params)["meta_info"]
+    details = meta["cached_tokens_details"]
+    assert meta["cached_tokens"] == meta["prompt_tokens"] - 1, meta  # the whole prompt is in the matched pages
+    assert details["device"] + details["host"] + details["storage"] == meta["cached_tokens"]

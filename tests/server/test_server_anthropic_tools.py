@@ -74,6 +74,16 @@ def asked(i: int, city: str, days: int) -> list[dict]:
 FEW_SHOT = [*asked(1, "London", 2), *asked(2, "Rome", 1), {"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
+def test_a_repeated_forced_call_reads_only_its_prompt_from_the_cache(client):
+    """The forced call's first tokens, left in the tree by the first request, are matched with the
+    prompt by the second: they do not count as cached input."""
+    first = create(client, False, max_tokens=64, tool_choice={"type": "tool", "name": "get_weather"})
+    again = create(client, False, max_tokens=64, tool_choice={"type": "tool", "name": "get_weather"})
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt
+    assert again.usage.input_tokens >= 1 and again.usage.cache_read_input_tokens > 0
+
+
 def test_auto_reads_the_calls_out_of_the_answer_streamed_or_not(client):
     whole, streamed = (create(client, s, max_tokens=40, messages=FEW_SHOT) for s in (False, True))
     assert check_uses(whole, enforced=False)[:1] == ["get_weather"], whole.content

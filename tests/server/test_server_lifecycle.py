@@ -43,7 +43,9 @@ def test_api_key_enforced_on_every_route_but_health(keyed_server):
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/hicache/stats"),
                          ("GET", "/get_server_info"), ("POST", "/generate"), ("POST", "/flush_cache"),
                          ("POST", "/v1/chat/completions"), ("GET", "/health_generate"), ("POST", "/v1/messages"),
-                         ("POST", "/api/chat"), ("GET", "/api/tags"), ("POST", "/tokenize"), ("POST", "/apply_chat_template")]:
+                         ("POST", "/api/chat"), ("GET", "/api/tags"), ("POST", "/tokenize"), ("POST", "/apply_chat_template"),
+                         ("POST", "/detokenize"), ("POST", "/v1/tokenize"), ("POST", "/v1/detokenize"),
+                         ("GET", "/tokenizer_info")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers, json={})
             assert r.status_code == 401, (path, headers)
@@ -56,6 +58,7 @@ def test_api_key_enforced_on_every_route_but_health(keyed_server):
                 assert error["code"] == "invalid_api_key"
     ok = httpx.get(url + "/v1/models", headers=keyed_server.headers)
     assert ok.status_code == 200
+    assert httpx.get(url + "/tokenizer_info", headers=keyed_server.headers).json()["eos_token"]
 
 
 def test_openai_client_with_key(keyed_server):

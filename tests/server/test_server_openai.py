@@ -109,6 +109,23 @@ def test_cached_tokens_on_shared_system_prompt(client, model):
     assert second.usage.prompt_tokens_details.model_extra["cached_tokens_details"]["device"] == cached
 
 
+def test_logprobs_cover_the_content_not_the_stop_token(client, model):
+    """A stop token that ended the answer is not part of it: no logprobs entry for it (as OpenAI)."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=40, temperature=0,
+              logprobs=True)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop"
+    tokens = [e.token for e in r.choices[0].logprobs.content]
+    assert "".join(tokens) == r.choices[0].message.content and "<|im_end|>" not in tokens
+    assert len(tokens) == r.usage.completion_tokens - 1  # the stop token is counted, as generated
+    streamed = [e.token for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == tokens
+    c = client.completions.create(model=model, prompt="<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n",
+                                  max_tokens=40, temperature=0, logprobs=1)
+    assert c.choices[0].finish_reason == "stop" and "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+
+
 def test_logprobs(client, model):
     r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True,
                                        top_logprobs=2)

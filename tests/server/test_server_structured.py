@@ -66,6 +66,19 @@ def test_native_regex_and_ebnf(http):
         assert re.fullmatch(check, out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop", out
 
 
+def test_schema_keywords_the_grammar_would_drop_are_400s_naming_them(client, model, http):
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+            "required": ["tags"]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=8, response_format=_schema_format(tags))
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "'uniqueItems'" in e.value.body["message"] and "/properties/tags" in e.value.body["message"]
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"json_schema": json.dumps(tags)}})
+    assert r.status_code == 400 and "'uniqueItems'" in r.json()["error"]["message"]
+    r = http.post("/api/chat", json={"model": model, "messages": ASK, "format": tags, "stream": False})
+    assert r.status_code == 400 and "'uniqueItems'" in r.text
+
+
 def test_bad_grammars_are_400s_naming_the_field(client, model, http):
     cases = [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
               "response_format.json_schema.schema"),

@@ -68,7 +68,7 @@ def check_calls(calls: list[tuple[str, str, str]], enforced: bool) -> list[tuple
 
 def complete(client, model, messages, **kw):
     """(content, [(id, name, arguments)], finish_reason) of a non-streamed answer."""
-    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0, **kw)
+    r = client.chat.completions.create(model=model, messages=messages, **{"tools": TOOLS, "temperature": 0, **kw})
     msg = r.choices[0].message
     assert msg.role == "assistant"
     calls = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or ()]
@@ -78,8 +78,8 @@ def complete(client, model, messages, **kw):
 
 def stream(client, model, messages, **kw):
     """The same, rebuilt from the streamed deltas (name first, then argument fragments)."""
-    chunks = list(client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0,
-                                                 stream=True, **kw))
+    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                 **{"tools": TOOLS, "temperature": 0, **kw}))
     content, calls, finish = "", {}, None
     for chunk in chunks:
         choice = chunk.choices[0]
@@ -148,6 +148,22 @@ def test_forced_calls_match_the_schema(client, model, choice, streamed):
     assert len(calls) == 1 and finish == "tool_calls" and not content
     (name, _), = check_calls(calls, enforced=True)
     assert name == "get_weather" or choice == "required"
+
+
+@needs_grammar
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_required_parallel_calls_do_not_run_away(client, model, streamed):
+    """tool_choice 'required' with parallel calls (OpenAI's default): at most a call a tool, the
+    answer ending with its calls, no cut call in the content."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    one = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                             "parameters": city}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for tools, messages, most in ((one, ask, 1), (TOOLS, ask, 2), (TOOLS, FEW_SHOT, 2)):
+        r = (stream if streamed else complete)(client, model, messages, max_tokens=120, tool_choice="required",
+                                               tools=tools)
+        content, calls, finish = r
+        assert 1 <= len(calls) <= most and finish == "tool_calls" and not content, r
 
 
 def call_msg(arguments: str = "{}", call_id: str = "c1") -> dict:

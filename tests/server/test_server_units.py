@@ -245,6 +245,20 @@ def test_stats_hit_rates_and_table():
         assert word in text, word
 
 
+def test_stats_hit_tokens_are_the_counts_of_the_hit_rate():
+    """A tier's hit tokens and its hit rate come from one count: the finished requests' (the
+    scheduler's count also holds aborted requests' hits)."""
+    from rich.console import Console
+
+    stats = {**STATS, "tiers": {**STATS["tiers"], "device": {**STATS["tiers"]["device"], "hit_tokens": 654}}}
+    console = Console(width=160, record=True)
+    console.print(stats_cli.render(stats, "http://x"))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in console.export_text().splitlines() if line.count("│") >= 3}
+    assert rows["hit rate"] == "40.0%" and rows["hit tokens"] == "40"
+    assert "654" not in console.export_text()
+
+
 @pytest.mark.skipif(scheduler_process._MALLOC_TRIM is None, reason="glibc's malloc_trim")
 def test_the_scheduler_hands_freed_heap_memory_back():
     libc = ctypes.CDLL(None)

@@ -34,6 +34,14 @@ OUTPUTS = [
     ("llama3", ' {"name": "f", "arguments": {"s": "}{;"}}', None, [("f", {"s": "}{;"})]),
     ("llama3", "The answer is {4}.", "The answer is {4}.", []),
     ("llama3", '{"answer": 4}', '{"answer": 4}', []),
+    # a call cut (by the token limit) before its name was read is neither content nor a call
+    ("hermes", 'I will check.\n<tool_call>\n{"', "I will check.", []),
+    ("hermes", f'<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{{"na', None,
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ("hermes", '<tool_call>\n{"arguments": {"q": 1', None, []),
+    ("llama3", '{"name": "f", "parameters": {}}; {"na', None, [("f", {})]),
+    ("llama3", ' {"nam', None, []),
+    ("llama3", '{"answer": 4', '{"answer": 4', []),
 ]
 
 

@@ -145,6 +145,7 @@ def test_forced_calls_grammar(fmt):
     assert call_constraint(TOOLS, ToolChoice("auto"), fmt, True) == {}
     many = xgrammar.Grammar.from_ebnf(call_constraint(TOOLS, ToolChoice("required"), fmt, True)["ebnf"])
     assert accepts(many, rome) and accepts(many, rome + SEPARATORS[fmt] + now)
+    assert not accepts(many, SEPARATORS[fmt].join([rome, now, now]))  # at most a call a tool: no runaway
     for bad in ("", "hi " + rome, rome.replace("Rome", "Oslo"), rome.replace("3", "12"),
                 format_call("weather", '{"city": "Rome"}', fmt), format_call("sleep", "{}", fmt)):
         assert not accepts(many, bad), bad
