@@ -21,10 +21,8 @@ Only the scheduler thread calls it. With no host pool (L2 off) it is a thin laye
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-from contextlib import AbstractContextManager
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -291,11 +289,6 @@ class CacheController:
         calls this once its plan is made; `whole`: every layer at once."""
         if self.transfer is not None:
             self.transfer.start_loads(whole)
-
-    def ordered_after(self, event: Any) -> AbstractContextManager:
-        """A context in which new L1 <-> L2 copies follow only the device work queued before
-        `event` (a runner fence; `TransferEngine.ordered_after`)."""
-        return self.transfer.ordered_after(event) if self.transfer is not None else contextlib.nullcontext()
 
     def poll(self) -> frozenset[int]:
         """Folds in finished transfers. Returns the tickets of loads that failed since the last

@@ -15,6 +15,7 @@ Only the scheduler thread calls it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Callable, NamedTuple
 
@@ -107,11 +108,14 @@ class LoadHandle:
 
 class CacheManager:
     def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable, decider: LoadDecider,
-                 storage: StorageController | None = None, windows: WindowPolicy | None = None):
+                 storage: StorageController | None = None, windows: WindowPolicy | None = None,
+                 transfer: TransferEngine | None = None):
         """`host`: the L1 <-> L2 transfers over `tree`; `decider`: the load-or-recompute rates the
         host transfers and L3 share; `storage`: L3 (None: off); `windows`: the sliding-window
-        policy (None: the model has no windowed layers)."""
+        policy (None: the model has no windowed layers); `transfer`: the engine of the host
+        transfers' copies, whose order against the compute the caller sets (None: no host tier)."""
         self.tree, self.host, self.req_table, self.storage, self.windows = tree, host, req_table, storage, windows
+        self.transfer = transfer
         self.decider = decider
         self.allocator = tree.allocator
         self.page_size = tree.page_size
@@ -136,7 +140,7 @@ class CacheManager:
         l3 = None if storage is None else StorageController(
             tree, storage.engine, keys, backups, storage.options, host.alloc_host, storage.backend,
             host_pool.bytes_per_token(), decider)
-        return cls(tree, host, req_table, decider, l3, windows)
+        return cls(tree, host, req_table, decider, l3, windows, transfer)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -314,9 +318,9 @@ class CacheManager:
             self.refresh(lease)
 
     def ordered_after(self, event):
-        """A context in which the copies that admissions and releases start follow only the
-        compute queued before `event` (`CacheController.ordered_after`)."""
-        return self.host.ordered_after(event)
+        """A context in which the L1 <-> L2 copies that admissions and releases start follow only
+        the compute queued before `event` (a runner fence; `TransferEngine.ordered_after`)."""
+        return self.transfer.ordered_after(event) if self.transfer is not None else contextlib.nullcontext()
 
     def busy(self) -> bool:
         """L1 <-> L2 copies or L3 operations in flight."""
@@ -342,10 +346,13 @@ class CacheManager:
             self.storage.dequeued(lease.prefetch)
             lease.prefetch = None
 
-    def prefetch_grace(self, decoding: bool) -> None:
-        """Before a prefill batch is formed: a moment for L3 answers about to come
+    def before_prefill(self, backlog: int, waiting: bool, decoding: bool) -> None:
+        """A prefill batch is about to be formed. `backlog`: the prompt tokens queued for prefill
+        (waiting and running requests'), which a recomputation would wait behind; with requests
+        `waiting`, L3 answers about to come get a moment, a short one while others are `decoding`
         (`StorageController.grace`)."""
-        if self.storage is not None:
+        self.decider.set_backlog(backlog)
+        if waiting and self.storage is not None:
             self.storage.grace(decoding)
 
     def prefetches_ready(self) -> bool:
@@ -373,13 +380,10 @@ class CacheManager:
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill step computed `tokens` prompt tokens in `seconds`: the rate that loads from
-        L2 and L3 are weighed against (`hicache/decide.py`)."""
-        self.decider.record_prefill(tokens, seconds)
-
-    def set_prefill_backlog(self, tokens: int) -> None:
-        """The prompt tokens queued for prefill (waiting and running requests'), which a
-        recomputation would wait behind."""
-        self.decider.set_backlog(tokens)
+        L2 and L3 are weighed against (`hicache/decide.py`). Without a host tier nothing is
+        loaded, so nothing is weighed."""
+        if self.has_host_tier:
+            self.decider.record_prefill(tokens, seconds)
 
     def close(self) -> None:
         """Stops the L3 I/O threads (after their in-flight writes)."""

@@ -40,9 +40,9 @@ class PrefillPlanner:
         then admissions in policy order. With `after` (launched, not applied), the running requests
         are its own: their next chunks start where its chunks end, and memory comes from the free
         pool and the tree only."""
-        if self.queue.has_waiting():
-            self.cache.prefetch_grace(decoding=any(r.phase is Status.DECODE for r in self.queue.running))
-        self.cache.set_prefill_backlog(sum(r.prompt_left for r in (*self.queue.waiting, *self.queue.running)))
+        waiting = self.queue.has_waiting()
+        self.cache.before_prefill(sum(r.prompt_left for r in (*self.queue.waiting, *self.queue.running)), waiting,
+                                  decoding=waiting and any(r.phase is Status.DECODE for r in self.queue.running))
         plan = BatchPlan("extend", [], [], [], [])
         budget = self.policy.max_prefill_tokens
         if after is not None:

@@ -284,9 +284,10 @@ def test_prefill_steps_launched_ahead(tiny_config_path):
 
 
 def fenced(sched: Scheduler) -> FencedTransfer:
-    """Wraps the scheduler's transfer engine in a FencedTransfer and gives the runner numbered
-    fences (1, 2, ...), as on CUDA, where the runner's fences are events."""
-    ft = sched.cache.host.transfer = FencedTransfer(sched.cache.host.transfer)
+    """Wraps the scheduler's transfer engine in a FencedTransfer (where the host transfers copy
+    and where the manager orders them) and gives the runner numbered fences (1, 2, ...), as on
+    CUDA, where the runner's fences are events."""
+    ft = sched.cache.host.transfer = sched.cache.transfer = FencedTransfer(sched.cache.host.transfer)
 
     def fence():
         ft.latest = (ft.latest or 0) + 1

@@ -84,11 +84,8 @@ class FakeCache:
     def prefetch_ready(self, lease):
         return None if lease.owner.rid in self.prefetching else StorageRange()
 
-    def prefetch_grace(self, decoding):
-        self.grace = decoding
-
-    def set_prefill_backlog(self, tokens):
-        self.backlog = tokens
+    def before_prefill(self, backlog, waiting, decoding):
+        self.backlog, self.grace = backlog, decoding if waiting else None
 
     def poll(self, leases):
         return []
