@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 import torch
@@ -38,12 +39,35 @@ def run(server_config: ServerConfig, runtime_config, cache_config, factory: str 
     torch.set_num_threads(1)  # the scheduler process computes; the cores are its pool's (scheduler_process)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return asyncio.run(_serve(server_config, runtime_config, cache_config, factory))
+        sock = listen(server_config.host, server_config.port)
+    except OSError as e:
+        where = f"{server_config.host}:{server_config.port}"
+        print(f"hicache: cannot listen on {where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(_serve(server_config, runtime_config, cache_config, factory, sock))
     except KeyboardInterrupt:
         return 130
+    finally:
+        sock.close()
 
 
-async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str) -> int:
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads, so that a busy port or an
+    address this machine does not have is an error at once (and the port stays ours meanwhile)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(server_config: ServerConfig, runtime_config, cache_config, factory: str, sock: socket.socket) -> int:
     tm = TokenizerManager(runtime_config, cache_config, factory=factory, warm_up=not server_config.skip_server_warmup,
                           restart_scheduler=server_config.restart_scheduler,
                           router=make_router(server_config, cache_config.page_size))
@@ -60,7 +84,7 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
         tm.on_fatal = lambda _reason: setattr(server, "should_exit", True)
         server.should_exit = tm.fatal_reason is not None
         announce = asyncio.create_task(_announce(server, server_config, tm))
-        await server.serve()
+        await server.serve(sockets=[sock])
         announce.cancel()
         if tm.fatal_reason is not None:
             print(f"hicache: {tm.fatal_reason}; exiting with code {EXIT_SCHEDULER_DIED} for the supervisor to "

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -185,3 +188,16 @@ def test_sigterm_while_loading_stops_the_scheduler_too():
     assert proc.wait(60) != 0
     time.sleep(0.5)
     assert not [k for k in kids if pid_alive(k)], "a child outlived the server"
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+    """The port is bound first: taken, the server exits at once with code 1 (not the supervisor's
+    restart code) and says so, without loading the model."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "hicache.server.cli", "serve", "--host", "127.0.0.1", "--port",
+                               str(port), *LIGHT_FLAGS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "loading" not in done.stderr
