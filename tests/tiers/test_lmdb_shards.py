@@ -142,3 +142,15 @@ def test_a_disk_filled_under_several_shards_evicts_in_each_and_keeps_storing(sma
 def test_a_bad_shard_count_is_an_error_naming_it(tmp_path, shards):
     with pytest.raises(ValueError, match="lmdb.*shards"):
         backend(tmp_path, shards=shards)
+
+
+def test_a_new_store_is_readable_by_its_owner_alone(tmp_path):
+    """Cached prompts' KV: the store's folders and files are not readable by other users."""
+    store = tmp_path / "store"
+    b = backend(store, shards=2)
+    assert b.batch_set(keys(4), pages(4)) == 4
+    made = [store, *store.rglob("*")]
+    b.close()
+    assert any(p.name == "data.mdb" for p in made) and any(p.name == "hicache-l3.json" for p in made)
+    for p in made:
+        assert p.stat().st_mode & 0o077 == 0, f"{p} is {oct(p.stat().st_mode & 0o777)}"

@@ -33,6 +33,7 @@ import threading
 import numpy as np
 
 MIB = 1 << 20
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # a store's folders and files: its owner's alone (cached prompts' KV)
 # LMDB 0.9 sizes its lock file (max_readers - 1) * sizeof(MDB_reader) + sizeof(MDB_txninfo): 64 and
 # 192 bytes on 64-bit builds
 _READER_BYTES, _HEADER_BYTES = 64, 192
@@ -76,7 +77,7 @@ def allocate(file: str, size: int) -> None:
     fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
     if fallocate is None:
         return
-    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     try:
         length = os.fstat(fd).st_size or size
         if not length:

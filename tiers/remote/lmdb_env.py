@@ -20,7 +20,7 @@ from typing import Callable
 import lmdb
 import numpy as np
 
-from hicache.tiers.remote.disk import MIB, DataFile, Truncated, free_bytes, prepare
+from hicache.tiers.remote.disk import MIB, PRIVATE_DIR, PRIVATE_FILE, DataFile, Truncated, free_bytes, prepare
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
@@ -38,7 +38,7 @@ class LmdbEnv:
     """One LMDB environment of this process and its writer thread."""
 
     def __init__(self, path: str, map_size: int, size_cap: int, sync: bool, min_free: int = 0):
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
         prepare(path, MAX_READERS, min_free)  # before anything is mapped: no SIGBUS on a full disk
         self.path, self.size_cap, self.min_free, self.refs = path, size_cap, min_free, 0
         self.full: str | None = None  # why writes are blocked (a disk that eviction could not help)
@@ -46,7 +46,7 @@ class LmdbEnv:
         self._full_need = 0  # bytes of the write that failed
         self._dropped = time.monotonic()  # when the map's pages last left the resident set
         self.env = lmdb.open(path, map_size=map_size, max_dbs=4, readahead=False, sync=sync, metasync=sync,
-                             max_readers=MAX_READERS, writemap=False)
+                             max_readers=MAX_READERS, writemap=False, mode=PRIVATE_FILE)
         try:  # open read the meta pages with pread: the map holds them, stat and info are safe
             self.data = DataFile(path, (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"])
         except OSError:

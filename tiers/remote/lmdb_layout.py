@@ -17,7 +17,7 @@ import threading
 
 import crc32c
 
-from hicache.tiers.remote.disk import need_free
+from hicache.tiers.remote.disk import PRIVATE_DIR, PRIVATE_FILE, need_free
 
 LAYOUT = 2
 LAYOUT_FILE = "hicache-l3.json"
@@ -43,7 +43,7 @@ def shard_folders(path: str, shards: int, min_free: int) -> list[str]:
     """The shard folders of the store at `path`: the layout file's count, or `shards` for a new
     store (whose layout file this writes, given `min_free` bytes free). OSError: an unusable
     folder, too little space for a new store, `OldLayout`, a layout file that is not one."""
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
     if os.path.exists(os.path.join(path, "data.mdb")):
         raise OldLayout(errno.EEXIST, "holds an L3 store of the single-environment layout (data.mdb at the top); "
                         f"this version keeps {LAYOUT_FILE} and shard folders: move or delete it", path)
@@ -57,7 +57,7 @@ def shard_folders(path: str, shards: int, min_free: int) -> list[str]:
 def _create(file: str, shards: int) -> None:
     """Writes the layout file unless another opener did first (a link never replaces a file)."""
     tmp = f"{file}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "w") as f:
         json.dump({"layout": LAYOUT, "shards": shards}, f)
     try:
         os.link(tmp, file)
