@@ -4,6 +4,8 @@ a full disk under several shards."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -154,3 +156,12 @@ def test_a_new_store_is_readable_by_its_owner_alone(tmp_path):
     assert any(p.name == "data.mdb" for p in made) and any(p.name == "hicache-l3.json" for p in made)
     for p in made:
         assert p.stat().st_mode & 0o077 == 0, f"{p} is {oct(p.stat().st_mode & 0o777)}"
+
+
+def test_a_store_the_disk_is_too_short_for_says_how_short_and_what_is_free(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    b = backend(tmp_path / "store", min_free_mb=(free + (1 << 30)) / (1 << 20))
+    assert b.status().startswith("degraded")
+    assert re.search(r"[\d,]+ bytes free \([\d.]+ MiB\), less than the [\d,]+ bytes", b.status())
+    assert b.stats()["disk_free_bytes"] > 0  # read while the store is not open, as it would be once it is
+    b.close()

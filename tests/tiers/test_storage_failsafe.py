@@ -122,7 +122,7 @@ def test_a_full_disk_kills_plain_lmdb_but_the_backend_starts_degraded(small_fs):
     assert status.startswith(f"degraded: cannot open {small_fs.root / 'l3'}: OSError: [Errno 28]"), status
 
     b = backend(small_fs.root / "l3", min_free_mb=1)
-    assert b.status().startswith("degraded: cannot open") and "MiB free" in b.status()
+    assert b.status().startswith("degraded: cannot open") and "bytes free" in b.status()
     with pytest.raises(BackendUnavailable):
         b.batch_exists(keys(1))
     small_fs.unfill()
@@ -305,8 +305,9 @@ def test_a_new_store_needs_its_free_space_and_is_retried(tmp_path, monkeypatch):
     free = {"bytes": 10 * MIB}
     monkeypatch.setattr(disk, "free_bytes", lambda path: free["bytes"])
     b = backend(tmp_path / "l3", min_free_mb=64)
-    assert b.status() == (f"degraded: cannot open {tmp_path / 'l3'}: OSError: [Errno 28] 10.0 MiB free, a new store "
-                          f"needs 64.0 MiB (min_free_mb): '{tmp_path / 'l3'}'")
+    assert b.status() == (f"degraded: cannot open {tmp_path / 'l3'}: OSError: [Errno 28] 10,485,760 bytes free "
+                          "(10.0 MiB), less than the 67,108,864 bytes (64.0 MiB, min_free_mb) a new store needs: "
+                          f"'{tmp_path / 'l3'}'")
     free["bytes"] = 100 * MIB
     b.probe()
     assert b.status() == "ok" and b.batch_set(keys(1), pages(1)) == 1

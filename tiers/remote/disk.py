@@ -66,8 +66,8 @@ def need_free(path: str, min_free: int) -> None:
     """OSError (ENOSPC) unless the filesystem of `path` has `min_free` bytes free: what a new store needs."""
     free = free_bytes(path)
     if free < min_free:
-        raise OSError(errno.ENOSPC, f"{free / MIB:.1f} MiB free, a new store needs {min_free / MIB:.1f} MiB "
-                      "(min_free_mb)", path)
+        raise OSError(errno.ENOSPC, f"{free:,} bytes free ({free / MIB:.1f} MiB), less than the {min_free:,} bytes "
+                      f"({min_free / MIB:.1f} MiB, min_free_mb) a new store needs", path)
 
 
 def allocate(file: str, size: int) -> None:

@@ -241,8 +241,8 @@ class LmdbBackend(BackendBase):
 
     def stats(self) -> dict:
         envs = self._envs
-        if envs is None:
-            return dict(super().stats(), used_bytes=0, capacity_bytes=self._cap)
+        if envs is None:  # (not open: a disk short of min_free_mb, say) what is free still shows
+            return dict(super().stats(), used_bytes=0, capacity_bytes=self._cap, disk_free_bytes=self._free_bytes())
         used, counters = 0, {}
         for e in envs:
             try:
@@ -252,7 +252,14 @@ class LmdbBackend(BackendBase):
             for name, n in e.counters.items():
                 counters[name] = counters.get(name, 0) + n
         return dict(super().stats(), used_bytes=used, capacity_bytes=sum(e.size_cap for e in envs), **counters,
-                    disk_free_bytes=free_bytes(self.path))
+                    disk_free_bytes=self._free_bytes())
+
+    def _free_bytes(self) -> int:
+        """Free bytes on the store's filesystem, read now (0 when its folder cannot be read)."""
+        try:
+            return free_bytes(self.path)
+        except OSError:
+            return 0
 
     def close(self) -> None:
         with self._opening:
