@@ -99,15 +99,16 @@ class SamplingParams:
 
 # SGLang's sampling parameters that this runtime does not implement, with the values that ask for
 # nothing (what SGLang's frontend language sends by default): accepted at those, else refused.
-INERT_VALUES: dict[str, tuple] = {"min_new_tokens": (0,), "stop_regex": ((), [], "")}
-_INERT_SHOWN = {"min_new_tokens": "0", "stop_regex": "null or an empty list"}
+# name -> (the values accepted, how the error names them)
+INERT_VALUES: dict[str, tuple[tuple, str]] = {"min_new_tokens": ((0,), "0"),
+                                              "stop_regex": (((), [], ""), "null, an empty list or an empty string")}
 
 
 def _check_inert(d: dict) -> None:
-    for key, inert in INERT_VALUES.items():
+    for key, (inert, shown) in INERT_VALUES.items():
         v = d.get(key)
         if v is not None and (isinstance(v, bool) or not any(v == x and type(v) is type(x) for x in inert)):
-            raise ValueError(f"{key} is not implemented: only {_INERT_SHOWN[key]} (which asks for nothing) "
+            raise ValueError(f"{key} is not implemented: only {shown} (which asks for nothing) "
                              f"is accepted, got {v!r}")
 
 
