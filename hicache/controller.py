@@ -314,6 +314,8 @@ class CacheController:
             self.counters[f"{kind}_tokens"] += res.tokens
             self.counters[f"{kind}_bytes"] += res.nbytes
             self.counters["load_back_seconds" if op.kind == "load" else "backup_seconds"] += res.seconds
+            self.counters["load_back_wait_seconds" if op.kind == "load" else "backup_wait_seconds"] += res.waited
+            self.counters["load_backs" if op.kind == "load" else "backups"] += 1
             if op.kind == "load":
                 self.decider.record_load("host", res.nbytes, res.seconds)
             if op.kind == "backup" and self.backups is not None:
@@ -363,6 +365,9 @@ class CacheController:
                 "loaded_back_tokens": c["loaded_back_tokens"], "backed_up_tokens": c["backed_up_tokens"],
                 "loaded_back_bytes": c["loaded_back_bytes"], "backed_up_bytes": c["backed_up_bytes"],
                 "load_back_seconds": round(c["load_back_seconds"], 6), "backup_seconds": round(c["backup_seconds"], 6),
+                "load_back_wait_seconds": round(c["load_back_wait_seconds"], 6),
+                "backup_wait_seconds": round(c["backup_wait_seconds"], 6),
+                "load_backs": c["load_backs"], "backups": c["backups"],
                 "transfer_failures": c["transfer_failures"],
                 "load_back_recomputed_tokens": c["load_back_recomputed_tokens"],
                 "load_back_deferred": c["load_back_deferred"],

@@ -16,9 +16,9 @@ never be measured again, so after `PROBE_EVERY` refusals in a row one range is l
 tier (`recomputed_<tier>_tokens`).
 
 Modes: `measured` decides for L3 and loads every L2 hit: an L2 load is queued with its batch and
-runs layer by layer beside the compute, so its time from submission to completion (what a
-transfer reports) overstates what it costs the request; `measured_all` decides for both tiers on
-those times; `always` loads every hit.
+runs layer by layer beside the compute, so even its copies' busy time (what a transfer reports)
+overstates what it costs the request; `measured_all` decides for both tiers on those times;
+`always` loads every hit.
 """
 from __future__ import annotations
 

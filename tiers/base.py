@@ -277,8 +277,12 @@ class TransferResult(NamedTuple):
     ok: bool
     tokens: int
     nbytes: int
-    seconds: float  # from submission to completion
+    # The copies' own time: on CUDA, their stream's busy time (of copies queued together, this
+    # ticket's share by bytes); `waited`: the rest of the time from submission to completion
+    # (queued behind compute, other copies, or the forward pass reaching their layers).
+    seconds: float
     error: str | None = None
+    waited: float = 0.0
 
 
 class LoadSpec(NamedTuple):

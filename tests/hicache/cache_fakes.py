@@ -121,7 +121,7 @@ class FakeTransfer:
         if not failed:
             copy()
         self._done.append(result(ticket, kind, not failed, n, 0 if failed else n * 100, 0.001,
-                                 "injected failure" if failed else None))
+                                 "injected failure" if failed else None, 0.002))
 
     def complete(self, ticket: int | None = None) -> None:
         """Runs queued transfers (all, or just `ticket`)."""

@@ -127,6 +127,9 @@ def test_load_back_fills_fresh_slots_with_the_right_kv_and_moves_the_lock():
     h.finish("r")
     s = h.ctrl.host_stats()
     assert s["loaded_back_tokens"] == 10 and s["loaded_back_bytes"] == 1000 and s["enabled"]
+    # busy and queued time apart, summed per transfer: one load-back; backups of a, then of r's tail
+    assert (s["load_backs"], s["load_back_seconds"], s["load_back_wait_seconds"]) == (1, 0.001, 0.002)
+    assert (s["backups"], s["backup_seconds"], s["backup_wait_seconds"]) == (2, 0.002, 0.004)
 
 
 def test_load_back_is_all_or_nothing_with_a_minimum_and_room():

@@ -259,6 +259,29 @@ def test_transfer_engine_batches_loads_layer_by_layer(io_backend):
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @env.needs_cuda
+def test_transfer_times_are_the_copies_busy_time_and_queueing_apart(io_backend):
+    """Loads queued together report, each, its share by bytes of their copies' stream time, and the
+    rest of their time from submission (here: held back before start_loads) as `waited`; the
+    shares add up to one busy time, which no link could beat and which is far below the wait."""
+    layers, n = 8, 16384  # 256 MiB
+    eng, dev, host = transfer_engine(layers, n, io_backend)
+    slots, dst = scattered_pages(n), torch.randperm(n)
+    tickets = [eng.load(slots[lo:hi], dst[lo:hi]) for lo, hi in ((0, 4096), (4096, n))]
+    time.sleep(0.3)  # queued behind nothing, but not started: waiting, not copying
+    eng.start_loads(whole=True)
+    torch.cuda.synchronize()
+    res = {r.ticket: r for r in eng.poll()}
+    assert sorted(res) == sorted(tickets) and all(r.ok for r in res.values())
+    a, b = res[tickets[0]], res[tickets[1]]
+    busy = a.seconds + b.seconds
+    assert a.seconds == pytest.approx(busy * 4096 / n, rel=1e-6), "shares follow the bytes"
+    nbytes = a.nbytes + b.nbytes
+    assert nbytes / busy < 1e12, f"{nbytes / busy / 1e9:.0f} GB/s: no host link moves that"
+    assert a.waited >= 0.3 and b.waited >= 0.3 and busy < 0.3, (a, b)
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@env.needs_cuda
 def test_transfer_engine_start_loads_lands_a_load_nobody_waits_for(io_backend):
     """A load is deferred until a forward pass waits for it; poll() alone never starts it (the
     loads of one batch go together), start_loads() does (the scheduler calls it once a step)."""

@@ -49,16 +49,20 @@ class _Queued:
 
     def __init__(self, stream, steps: int, copy_step: Callable[[int], None], on_step=None):
         self.stream, self.steps, self.copy_step, self.on_step = stream, steps, copy_step, on_step
-        self.events: list = []  # torch.cuda.Event per step queued
+        self.events: list = []  # torch.cuda.Event per step queued, recorded after its copies
+        self.starts: list = []  # torch.cuda.Event per step queued, recorded before its copies
         self.error: str | None = None
+        self._busy: float | None = None
 
     def upto(self, step: int) -> None:
         step = min(step, self.steps - 1)
         try:
             with torch.cuda.stream(self.stream):
                 while len(self.events) <= step and self.error is None:
+                    self.starts.append(torch.cuda.Event(enable_timing=True))
+                    self.starts[-1].record(self.stream)
                     self.copy_step(len(self.events))
-                    self.events.append(torch.cuda.Event())
+                    self.events.append(torch.cuda.Event(enable_timing=True))
                     self.events[-1].record(self.stream)
                     if self.on_step is not None:
                         self.on_step(len(self.events) - 1)
@@ -75,6 +79,14 @@ class _Queued:
         self.upto(self.steps - 1)
         return self.error is not None or self.events[-1].query()
 
+    def busy_seconds(self) -> float:
+        """The stream's time in these copies once they are done: the sum of each step's span
+        between its start and end events, so neither the wait for the compute it follows nor the
+        gaps between steps queued as the forward pass reached them count."""
+        if self._busy is None:
+            self._busy = sum(a.elapsed_time(b) for a, b in zip(self.starts, self.events)) / 1e3
+        return self._busy
+
 
 class _Pending(NamedTuple):
     ticket: int
@@ -82,6 +94,7 @@ class _Pending(NamedTuple):
     tokens: int
     start: float
     queued: _Queued
+    share: float  # of the queued copies' bytes, this ticket's
 
 
 class HostTransferEngine:
@@ -239,8 +252,9 @@ class HostTransferEngine:
             steps, copy_step = self._copier(kind, *slots)
         queued = _Queued(stream, steps, copy_step, on_layer if kind == "load" else None)
         queued.upto(self.load_ahead if kind == "load" and self.layerwise and not whole else steps - 1)
+        total = sum(tokens for _, tokens, _ in jobs) or 1
         for ticket, tokens, start in jobs:
-            self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued)
+            self._pending[ticket] = _Pending(ticket, kind, tokens, start, queued, tokens / total)
 
     def _copier(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor, window_device: torch.Tensor,
                 window_host: torch.Tensor) -> tuple[int, Callable[[int], None]]:
@@ -310,12 +324,17 @@ class HostTransferEngine:
             return slots
         return slots.pin_memory().to(self.device, non_blocking=True)
 
-    def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None) -> None:
+    def _finish(self, ticket: int, kind: str, tokens: int, start: float, error: str | None,
+                busy: tuple[float, float] | None = None) -> None:
+        """`busy`: (this ticket's share of its copies' stream time, all of that time), on CUDA;
+        None: the copy ran inside the call that submitted it (CPU), so its wall time is its busy
+        time."""
         per_layer = self.host_pool.bytes_per_token() // self.host_pool.num_layers
         skipped = self._skipped.pop(ticket, 0) * len(self.window_layers) * per_layer
         nbytes = tokens * self.host_pool.bytes_per_token() - skipped if error is None else 0
-        self._done.append(TransferResult(ticket, kind, error is None, tokens, nbytes,
-                                         time.perf_counter() - start, error))
+        wall = time.perf_counter() - start
+        seconds, waited = (wall, 0.0) if busy is None else (busy[0], max(0.0, wall - busy[1]))
+        self._done.append(TransferResult(ticket, kind, error is None, tokens, nbytes, seconds, error, waited))
 
     # ---- completion -----------------------------------------------------------------------
 
@@ -325,7 +344,9 @@ class HostTransferEngine:
         for p in list(self._pending.values()):
             if p.queued.done():  # queues what the forward pass did not reach
                 del self._pending[p.ticket]
-                self._finish(p.ticket, p.kind, p.tokens, p.start, p.queued.error)
+                busy = None if p.queued.error is not None else p.queued.busy_seconds()
+                self._finish(p.ticket, p.kind, p.tokens, p.start, p.queued.error,
+                             None if busy is None else (busy * p.share, busy))
         done, self._done = self._done, []
         return done
 
