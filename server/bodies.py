@@ -225,3 +225,35 @@ class GenerateReqInput(SGLangClientDefaults):
 class AbortReqInput(Strict):
     rid: Rid = ""
     abort_all: StrictBool = False
+
+
+StepCount = Union[TokenCount, Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]]  # SGLang's clients send digits
+
+
+class ProfileReqInput(Strict):
+    """SGLang's `/start_profile` body (`runtime.profiler.ProfileSpec`). By-stage profiles and
+    activities other than CPU and GPU are refused with a 400 naming them."""
+
+    output_dir: Optional[Annotated[str, Field(max_length=4096)]] = None
+    num_steps: Optional[StepCount] = None
+    start_step: Optional[StepCount] = None
+    activities: Optional[list[Annotated[str, Field(max_length=32)]]] = None
+    profile_by_stage: Optional[StrictBool] = None
+    profile_stages: Optional[list[str]] = None
+    profile_prefix: Optional[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]] = None
+    with_stack: Optional[StrictBool] = None
+    record_shapes: Optional[StrictBool] = None
+
+    def spec(self, default_dir: str) -> dict:
+        """The `ProfileSpec` fields; APIError 400 for what it cannot do."""
+        if self.profile_by_stage or self.profile_stages:
+            raise APIError(400, "profile_by_stage is not supported: profiles record whole scheduler steps",
+                           param="profile_by_stage", code="unsupported_value")
+        spec = {"output_dir": self.output_dir or default_dir, "prefix": self.profile_prefix or "hicache",
+                "start_step": int(self.start_step or 0), "with_stack": bool(self.with_stack),
+                "record_shapes": bool(self.record_shapes)}
+        if self.num_steps is not None:
+            spec["num_steps"] = int(self.num_steps)
+        if self.activities:
+            spec["activities"] = list(self.activities)
+        return spec

@@ -44,10 +44,12 @@ logger = logging.getLogger("hicache.ipc")
 
 @dataclass
 class ControlRequest:
-    """HTTP process -> scheduler: `kind` is "flush_cache", "stats" or "shutdown"."""
+    """HTTP process -> scheduler: `kind` is "flush_cache", "stats", "start_profile" (`args`: a
+    `runtime.profiler.ProfileSpec`'s fields), "stop_profile" or "shutdown"."""
 
     id: str
     kind: str
+    args: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -15,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import GRAMMAR_KINDS, INERT_VALUES, SamplingParams
-from hicache.server.bodies import AbortReqInput, GenerateReqInput
+from hicache.server.bodies import AbortReqInput, GenerateReqInput, ProfileReqInput
 from hicache.server.protocol import (
     APIError,
     error_body,
@@ -259,6 +261,31 @@ async def flush_cache(request: Request):
         return error_response(400, reply.error or "Cache not flushed: requests are running; retry when idle.",
                               code="requests_running")
     return {"success": True, "message": "Cache flushed."}
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request):
+    """SGLang's profiler control: the scheduler records the next `num_steps` steps (after
+    `start_step`) with torch.profiler and writes a Chrome trace into `output_dir` (default: the
+    temporary folder's hicache-profile). A bare POST starts one with the defaults."""
+    raw = await request.body()
+    body = ProfileReqInput() if is_bare_non_browser_post(request, raw) else await parse_body(request, ProfileReqInput)
+    reply = await tm_of(request).control("start_profile", args=body.spec(os.path.join(tempfile.gettempdir(),
+                                                                                       "hicache-profile")))
+    if not reply.ok:
+        return error_response(400, reply.error or "profile not started", code="invalid_value")
+    return {"success": True, "message": "Start profiling."}
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request):
+    """Ends the running profile; its trace's path (null if it recorded no step yet)."""
+    if not is_bare_non_browser_post(request, await request.body()):
+        require_json(request)
+    reply = await tm_of(request).control("stop_profile", timeout=120.0)
+    if not reply.ok:
+        return error_response(400, reply.error or "no profile is running", code="invalid_value")
+    return {"success": True, "message": "Stop profiling.", "traces": [reply.data["trace"]]}
 
 
 @router.post("/abort_request")

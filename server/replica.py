@@ -181,14 +181,14 @@ class Replica:
             return False
         return True
 
-    async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
+    async def control(self, kind: str, timeout: float = 10.0, args: dict | None = None) -> ControlReply:
         if not self.alive:
             raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
         cid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters[cid] = fut
         try:
-            self.send([ControlRequest(id=cid, kind=kind)])
+            self.send([ControlRequest(id=cid, kind=kind, args=args or {})])
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise SchedulerUnavailable(f"scheduler did not answer {kind!r} within {timeout:.0f} s") from None

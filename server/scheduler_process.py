@@ -29,9 +29,11 @@ import traceback
 from dataclasses import asdict
 from typing import NamedTuple
 
+import torch
 import zmq
 
 from hicache.runtime.messages import AbortRequest, GenerateRequest, TokenOutput
+from hicache.runtime.profiler import ProfileSpec, StepProfiler
 from hicache.server.ipc import (
     ControlReply,
     ControlRequest,
@@ -214,6 +216,7 @@ class SchedulerLoop:
         self.last_trim = time.monotonic()
         self.was_busy = False
         self._stats_failed = False
+        self.profiler = StepProfiler(torch.cuda.is_available())
 
     def run(self) -> None:
         while self.running:
@@ -259,7 +262,8 @@ class SchedulerLoop:
         outs = self.pending
         self.pending = []
         if self.sched.has_work():
-            outs = outs + list(self.sched.step())
+            with self.profiler.step():
+                outs = outs + list(self.sched.step())
         if outs:
             finished = any(o.finish_reason is not None for o in outs)
             self._send(outs + [self.snapshot()] if finished else outs)
@@ -303,6 +307,8 @@ class SchedulerLoop:
                 return ControlReply(id=msg.id, ok=bool(self.sched.flush_cache()))
             if msg.kind == "stats":
                 return ControlReply(id=msg.id, ok=True, data=self.sched.stats())
+            if msg.kind in ("start_profile", "stop_profile"):
+                return self._profile(msg)
             if msg.kind == "shutdown":
                 self.running = False
                 return ControlReply(id=msg.id, ok=True)
@@ -310,3 +316,13 @@ class SchedulerLoop:
         except Exception as e:  # a failing control call must not kill the loop
             logger.exception("control %s failed", msg.kind)
             return ControlReply(id=msg.id, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _profile(self, msg: ControlRequest) -> ControlReply:
+        """start_profile / stop_profile: a bad spec or a second start is a reply naming why."""
+        try:
+            if msg.kind == "start_profile":
+                self.profiler.start(ProfileSpec(**msg.args))
+                return ControlReply(id=msg.id, ok=True)
+            return ControlReply(id=msg.id, ok=True, data={"trace": self.profiler.stop()})
+        except (TypeError, ValueError) as e:
+            return ControlReply(id=msg.id, ok=False, error=str(e))

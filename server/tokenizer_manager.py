@@ -266,11 +266,12 @@ class TokenizerManager:
     def num_open_requests(self) -> int:
         return len(self._states)
 
-    async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
-        """`kind` on every serving replica; one reply: ok when all of them are (else the first failure)."""
+    async def control(self, kind: str, timeout: float = 10.0, args: dict | None = None) -> ControlReply:
+        """`kind` (with `args`) on every serving replica; one reply: ok when all of them are (else
+        the first failure)."""
         if not self.alive:
             raise SchedulerUnavailable(self.dead_reason or "scheduler process is not running")
-        replies = await asyncio.gather(*(rep.control(kind, timeout) for rep in self.replicas if rep.alive))
+        replies = await asyncio.gather(*(rep.control(kind, timeout, args) for rep in self.replicas if rep.alive))
         return next((r for r in replies if not r.ok), replies[0])
 
     # ---- internals --------------------------------------------------------------------------

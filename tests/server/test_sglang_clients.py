@@ -104,3 +104,31 @@ def test_bench_serving_openai_bodies_are_served(http, model):
         assert r.status_code == 200, r.text
     r = http.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 3, "lora_path": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+
+
+def test_bench_serving_profile_calls_write_a_trace_of_the_steps_asked(http, tmp_path):
+    """bench_serving --profile's bodies: /start_profile with its fields (steps as digits), then
+    requests, then /stop_profile; the trace holds the scheduler's steps. Bad specs are 400s."""
+    out = tmp_path / "prof"
+    body = {"activities": ["CPU"], "num_steps": None, "profile_by_stage": False, "profile_stages": None,
+            "output_dir": str(out), "profile_prefix": None, "start_step": "1"}
+    assert http.post("/start_profile", json=body).status_code == 200
+    again = http.post("/start_profile", json=body)
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    assert http.post("/generate", json=bench_serving_body("Hello there", 8, stream=False)).status_code == 200
+    stop = http.post("/stop_profile", json={})
+    assert stop.status_code == 200, stop.text
+    (trace,) = stop.json()["traces"]
+    assert trace.startswith(str(out)) and trace.endswith(".trace.json.gz")
+    import gzip
+
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    names = {str(e.get("name", "")) for e in events}
+    assert "scheduler_step" in names, "the scheduler's steps are in it"
+    assert any(n.startswith("aten::") for n in names), "and the model's ops"
+    assert http.post("/stop_profile", json={}).status_code == 400  # none running
+    for bad, field in (({"profile_by_stage": True}, "profile_by_stage"), ({"activities": ["MEM"]}, "MEM"),
+                       ({"num_steps": 0}, "num_steps"), ({"output_dir": "relative/dir"}, "output_dir"),
+                       ({"bogus": 1}, "bogus")):
+        r = http.post("/start_profile", json=bad)
+        assert r.status_code == 400 and field in json.dumps(r.json()), (bad, r.text)
