@@ -35,6 +35,7 @@ class RuntimeConfig:
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton or flashinfer backend)."})
     overlap_schedule: bool | None = field(default=None, metadata={"help": "Overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t. Default: on with CUDA, off on CPU; turned on, it runs on CPU too, with the same outputs and no speedup there (the host and the device are the same cores)."})
     disable_prefill_ahead: bool = field(default=False, metadata={"help": "With overlap scheduling, drain every prefill step (apply its results) before planning the next, instead of launching the next prefill step while it runs."})
+    schedule_conservativeness: float = field(default=1.0, metadata={"help": "How much of the running requests' future output an admission keeps free in L1 (SGLang's flag): each running request reserves its output still to come (all of it when its length is certain: ignore_eos; else half of it, at most 4096 tokens), times this; 0 reserves a page per decoding request only, admitting more at the risk of retractions."})
     prefill_ahead_l1_share: float = field(default=0.5, metadata={"help": "With prefill steps launched ahead and an L2: the share of the L1 pool that one prefill step's requests may hold together (past its first request), so that the next step's load-backs find room while it runs; 1: no cap."})
     decode_while_loading: bool | None = field(default=None, metadata={"help": "While a request's cached prefix is loaded back from L2, let the running requests decode and run the request in the first prefill step after the copy has landed, instead of running it in the next prefill step at once, its attention waiting layer by layer for the copy. Default: on with CUDA, off on CPU; turned on, it runs on CPU too, where a load-back is a synchronous copy: the steps come in another order, no faster."})
     jump_forward: bool | None = field(default=None, metadata={"help": "Append the run of tokens a request's grammar forces at once and compute it in the next step, instead of decoding each forced token with a model step of its own. Default: on on CPU, off with CUDA, where an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves."})
@@ -55,6 +56,8 @@ class RuntimeConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: auto), got {self.max_prefill_tokens}")
+        if not 0 <= self.schedule_conservativeness <= 10:
+            raise ValueError(f"schedule_conservativeness must be in [0, 10], got {self.schedule_conservativeness}")
         if not 0 < self.prefill_ahead_l1_share <= 1:
             raise ValueError(f"prefill_ahead_l1_share must be in (0, 1], got {self.prefill_ahead_l1_share}")
         if not 0 < self.swa_full_tokens_ratio <= 1:

@@ -15,6 +15,9 @@ from hicache.runtime.request import Req, Status
 
 # a request waits for another's prefill only to save at least this many tokens of its own
 SHARED_PREFILL_MIN = 64
+# Of a running request's output still to come, the share an admission keeps room for when the
+# request may stop early (EOS, stop strings), and at most this many tokens of it (as SGLang).
+NEW_TOKEN_RATIO, NEW_TOKENS_CLIP = 0.5, 4096
 PREFILL_TOKENS_CUDA, PREFILL_TOKENS_CPU = 8192, 1024  # max_prefill_tokens's auto values
 
 
@@ -27,6 +30,7 @@ class BudgetPolicy:
         self.max_running = rc.max_running_requests
         self.chunk_size = rc.chunked_prefill_size
         self.order_by_match = rc.schedule_policy == "lpm"
+        self.conservativeness = rc.schedule_conservativeness
         # With prefill steps launched ahead and an L2: the KV that one step's requests may hold
         # together past the first (None: no cap), so that the next step's load-backs find room
         # in L1, and start, while it runs.
@@ -54,11 +58,25 @@ class BudgetPolicy:
         request) would pass the step's share of L1."""
         return self.step_kv_cap is not None and planned_kv > 0 and planned_kv + req.seq_len > self.step_kv_cap
 
-    def decode_headroom(self, running: Sequence[Req], launched: bool) -> int:
-        """L1 tokens an admission leaves free: a page for the next token of each decoding request
-        (with a launched prefill step, all running requests decode next)."""
+    def decode_headroom(self, running: Sequence[Req], launched: bool, admitting: Req | None = None) -> int:
+        """L1 tokens an admission leaves free: at least a page for the next token of each decoding
+        request (with a launched prefill step, all running requests decode next), and the output
+        the running requests and `admitting` will still produce (`future_tokens`), so that the
+        requests admitted can finish without retracting one another."""
         decoding = len(running) if launched else sum(1 for r in running if r.phase is Status.DECODE)
-        return self.page_size * decoding
+        future = sum(self.future_tokens(r) for r in (*running, *((admitting,) if admitting else ())))
+        return max(self.page_size * decoding, future)
+
+    def future_tokens(self, req: Req) -> int:
+        """The L1 tokens `req`'s output still to come is expected to take, in whole pages: all of it
+        when its length is certain (ignore_eos, no stop strings), else NEW_TOKEN_RATIO of it (at
+        most NEW_TOKENS_CLIP), times `schedule_conservativeness`."""
+        left = req.params.max_new_tokens - len(req.output_ids)
+        if left <= 0 or self.conservativeness == 0:
+            return 0
+        certain = req.params.ignore_eos and not req.params.stop
+        expected = left if certain else min(left, NEW_TOKENS_CLIP) * NEW_TOKEN_RATIO
+        return -(-int(expected * self.conservativeness) // self.page_size) * self.page_size
 
     def parks(self, req: Req, running: Sequence[Req]) -> bool:
         """Whether `req`, whose prefix a load-back is still copying into L1, sits out the next step:

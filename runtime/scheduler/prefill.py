@@ -119,7 +119,7 @@ class PrefillPlanner:
         match = self.cache.match(req.all_ids[:req.prefix_limit], req.namespace)
         if after is not None and self.policy.wait_for_launched(req, match.tokens, after.reqs):
             return 0
-        headroom = self.policy.decode_headroom(self.queue.running, launched=after is not None)
+        headroom = self.policy.decode_headroom(self.queue.running, launched=after is not None, admitting=req)
         first = self.policy.chunk_len(req, budget, start=match.tokens)
         room = -(-first // self.page_size) * self.page_size + headroom
         got = self.cache.admit(req.lease, match, room, load=not req.load_back_failed)

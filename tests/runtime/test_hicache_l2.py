@@ -33,9 +33,11 @@ from transfer_fakes import Faults, LateTransfer, LazyTransfer
 
 
 def tiny_scheduler(config_path, total=256, ratio=4.0, running=6, overlap=False, park=False, **cache) -> Scheduler:
+    # schedule_conservativeness 0: admissions reserve no room for outputs, so that a small L1
+    # retracts too (the mechanics under test include retraction)
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=running, chunked_prefill_size=48, max_prefill_tokens=96,
-                       overlap_schedule=overlap, decode_while_loading=park)
+                       overlap_schedule=overlap, decode_while_loading=park, schedule_conservativeness=0)
     # the tiny model recomputes faster than L2 loads: tests of the tiers' mechanics load every hit
     return build_scheduler(rc, HiCacheConfig(hicache_ratio=ratio, **{"hicache_load_decision": "always", **cache}))
 

@@ -197,6 +197,37 @@ def test_prefill_planner_leaves_waiting_what_the_prefetch_or_the_cache_holds_bac
     assert [r.rid for r in plan.reqs] == ["a"] and a.status is Status.PREFILL and queue.waiting == (c,)
 
 
+def test_budget_policy_reserves_the_outputs_to_come():
+    """An admission keeps room for the running requests' and its own output still to come: all of
+    it when its length is certain (ignore_eos), half of it (at most NEW_TOKENS_CLIP) when the
+    request may stop early; with schedule_conservativeness 0, a page per decoding request only."""
+    policy = budget_policy()
+    certain = req("a", 8, max_new=40)
+    certain.params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    certain.output_ids = [5] * 10  # 30 to come: 8 pages of 4
+    may_stop = req("b", 8, max_new=40)  # half of 40: 5 pages
+    assert policy.future_tokens(certain) == 32 and policy.future_tokens(may_stop) == 20
+    assert policy.decode_headroom([certain], launched=False, admitting=may_stop) == 52
+    policy.conservativeness = 0
+    assert policy.decode_headroom([certain], launched=True, admitting=may_stop) == PAGE  # certain decodes next
+
+
+def test_prefill_planner_admits_only_what_can_finish_without_retraction():
+    """Four requests whose prompts fit L1 together but whose certain outputs do not: the planner
+    admits the two that can finish; with schedule_conservativeness 0 it admits all four."""
+    for conservativeness, admitted in ((1.0, ["r0", "r1"]), (0.0, ["r0", "r1", "r2", "r3"])):
+        queue, cache = QueueState(), FakeCache(capacity=128)
+        policy = budget_policy()
+        policy.conservativeness = conservativeness
+        planner = prefill_planner(queue, cache, policy, Counters())
+        for i in range(4):
+            r = req(f"r{i}", 16, max_new=40, seq=i)
+            r.params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+            queue.add(r)
+        plan = planner.plan()
+        assert [r.rid for r in plan.reqs] == admitted, conservativeness
+
+
 def prefill_planner(queue, cache, policy, counters) -> PrefillPlanner:
     memory = Memory(queue, cache, policy, counters)
     stops = StopChecker(None, [EOS])

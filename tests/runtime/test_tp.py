@@ -31,9 +31,10 @@ NEW = 6
 
 
 def scheduler(config_path, tp_size: int, total: int, **cache):
+    # schedule_conservativeness 0: admissions reserve no room for outputs, so a small L1 retracts
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=total,
                        max_running_requests=6, chunked_prefill_size=32, max_prefill_tokens=64,
-                       overlap_schedule=True, tp_size=tp_size)
+                       overlap_schedule=True, tp_size=tp_size, schedule_conservativeness=0)
     return build_scheduler(rc, HiCacheConfig(**{"hicache_load_decision": "always", **cache}))
 
 
