@@ -345,6 +345,11 @@ class CacheController:
 
     # ---- flush, stats, integrity ----------------------------------------------------------
 
+    def settle(self) -> None:
+        """Blocks until every L1 <-> L2 copy in flight has landed (or failed), then folds them in."""
+        self.transfers.settle(tuple(self.transfers.ops))
+        self.collect()
+
     def idle(self) -> bool:
         """Folds in finished transfers; whether none is left in flight."""
         self.collect()

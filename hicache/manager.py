@@ -369,8 +369,10 @@ class CacheManager:
     # ---- lifecycle, stats, integrity -------------------------------------------------------
 
     def flush(self) -> bool:
-        """Empties L1 and L2 (the caller has no running request); L3's operations are cancelled
-        first. False while transfers run."""
+        """Empties L1 and L2 (the caller has no running request): the L1 <-> L2 copies in flight
+        (a finished request's backups: milliseconds) land first and L3's operations are cancelled.
+        False when something still runs after that."""
+        self.host.settle()
         if not self.host.idle() or (self.storage is not None and not self.storage.quiesce()):
             return False
         self.host.reset()

@@ -146,3 +146,19 @@ def test_grow_all_grows_as_one_grow_after_another():
         assert not s.cache.grow_all(leases, [40, 3, 3])  # more than L1 holds: refused, nothing taken
         assert [lease.slots.numel() for lease in leases] == grown[-1]
     assert grown[0] == grown[1] == [6, 4, 8] and taken[0] == taken[1]
+
+
+def test_flush_waits_for_the_backups_of_finished_requests():
+    """A request just finished: its write-through backup is still in flight. A flush (what
+    SGLang's bench_serving sends right after its warm-up request) lets it land, then empties both
+    tiers, instead of refusing."""
+    s = Setup(deferred=True)
+    a = list(range(12))
+    lease, _ = s.admit(a, 12)
+    s.compute(lease, a, 12)
+    s.release(lease, a)
+    assert s.cache.busy()  # the backup is queued, not landed
+    assert s.cache.flush() is True
+    assert s.cache.match(a, "").tokens == 0 and s.alloc.num_free_tokens() == 32
+    assert s.host_pool.allocator.num_free_tokens() == 128
+    s.check()
