@@ -10,12 +10,13 @@ if TYPE_CHECKING:
 class Counters(dict):
     """Counts since start: tokens computed and generated (of which appended by jump-forward),
     prompt tokens served from each tier, model steps applied, retractions, finished and aborted
-    requests (a dict, so that a snapshot is a copy)."""
+    requests, and speculative decoding's drafts (a request's draft verified in a step), draft
+    tokens and accepted draft tokens (a dict, so that a snapshot is a copy)."""
 
     def __init__(self):
         super().__init__(prompt_tokens=0, generation_tokens=0, cached_device=0, cached_host=0, cached_storage=0,
                          retractions=0, requests_finished=0, requests_aborted=0, forward_steps=0,
-                         jump_forward_tokens=0)
+                         jump_forward_tokens=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
     def count_cached(self, req: Req, prefix: int, loaded: int) -> None:
         """At `req`'s first admission: `prefix` tokens came from the cache, `loaded` of them (the
@@ -39,6 +40,8 @@ class Counters(dict):
         """The scheduler's statistics: `state` (running, queued, ...), these counters, `tiers`."""
         return {**state, "retractions": self["retractions"], "requests_finished": self["requests_finished"],
                 "requests_aborted": self["requests_aborted"], "forward_steps": self["forward_steps"], "tiers": tiers,
+                "speculative": {"drafts": self["spec_drafts"], "draft_tokens": self["spec_draft_tokens"],
+                                "accepted_tokens": self["spec_accepted_tokens"]},
                 "tokens": {"prompt": self["prompt_tokens"], "generation": self["generation_tokens"],
                            "jump_forward": self["jump_forward_tokens"], "cached": self.hits()}}
 
