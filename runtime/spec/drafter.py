@@ -29,17 +29,21 @@ MAX_BACKOFF = 64  # most decode steps a request sits out in a row
 
 
 class SpecState:
-    """A request's drafting state: its own n-grams, its smoothed acceptance, its back-off."""
+    """A request's drafting state: its own n-grams, its smoothed acceptance, its back-off, and
+    its drafts verified and draft tokens accepted so far."""
 
-    __slots__ = ("context", "acceptance", "skip", "backoff")
+    __slots__ = ("context", "acceptance", "skip", "backoff", "verified", "accepted")
 
     def __init__(self, min_window: int, max_window: int):
         self.context = ContextNgrams(min_window, max_window)
         self.acceptance = 1.0
         self.skip = 0  # decode steps left without drafts
         self.backoff = 1  # steps to sit out at the next failure
+        self.verified = self.accepted = 0
 
     def record(self, drafted: int, accepted: int) -> None:
+        self.verified += 1
+        self.accepted += accepted
         self.acceptance = (1 - SMOOTHING) * self.acceptance + SMOOTHING * accepted / drafted
         if self.acceptance >= ACCEPT_FLOOR:
             self.backoff = 1
@@ -54,6 +58,7 @@ class Drafter:
         self.num_draft_tokens = rc.speculative_num_draft_tokens
         self.max_batch_size = rc.speculative_max_batch_size
         self.windows = (rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size)
+        counters.spec_lengths(self.num_draft_tokens)
 
     def drafts_batch(self, batch: int) -> bool:
         """Whether a decode step of `batch` requests drafts."""
@@ -85,4 +90,5 @@ class Drafter:
         self.counters["spec_drafts"] += 1
         self.counters["spec_draft_tokens"] += drafted
         self.counters["spec_accepted_tokens"] += accepted
+        self.counters[f"spec_accepted_{accepted}"] += 1
         req.spec.record(drafted, accepted)

@@ -53,6 +53,11 @@ def test_greedy_outputs_equal_decoding_and_drafts_are_accepted(tiny_config_path,
         assert spec[rid]["reason"] == plain[rid]["reason"], rid
     counts = sched.stats()["speculative"]
     assert counts["accepted_tokens"] > 0.3 * counts["draft_tokens"] > 0
+    per = counts["accepted_per_draft"]
+    assert sum(per.values()) == counts["drafts"] and sum(int(m) * n for m, n in per.items()) == counts["accepted_tokens"]
+    metas = [o["meta"] for o in spec.values()]
+    assert sum(m.get("spec_verify_ct", 0) for m in metas) == counts["drafts"]
+    assert all(m["spec_accept_length"] >= 1 for m in metas if "spec_verify_ct" in m)
     assert sched.stats()["forward_steps"] < sum(len(o["ids"]) for o in plain.values())
 
 
