@@ -220,3 +220,24 @@ def test_default_model_greedy_equal_with_and_without_drafts(default_model_path):
             engine.shutdown()
     assert outs["NGRAM"]["output_ids"] == outs[None]["output_ids"]
     assert stats["speculative"]["accepted_tokens"] > 40
+
+
+def test_a_regenerated_answer_drafts_from_the_cache(default_model_path):
+    """The second time a prompt is answered, the first answer is in the radix tree: drafts from
+    the tree's index are accepted much longer than drafts from the request's own tokens alone."""
+    prompt = "<|im_start|>user\nWrite a short poem about the sea at night.<|im_end|>\n<|im_start|>assistant\n"
+    params = {"temperature": 0, "max_new_tokens": 64}
+    lengths, texts = {}, {}
+    for capacity in (0, 1_000_000):
+        engine = make_engine(default_model_path, speculative_algorithm="NGRAM", speculative_ngram_capacity=capacity,
+                             hicache_storage_backend="none")
+        try:
+            first = engine.generate(prompt, sampling_params=params)
+            again = engine.generate(prompt, sampling_params=params)
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+        assert again["output_ids"] == first["output_ids"]
+        lengths[capacity], texts[capacity] = again["meta_info"].get("spec_accept_length", 1.0), again["output_ids"]
+    assert texts[0] == texts[1_000_000]
+    assert lengths[1_000_000] >= 1.5 * lengths[0], lengths
