@@ -47,7 +47,7 @@ class RuntimeConfig:
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: the shortest tail of a request's tokens that is looked up to draft from what followed it."})
     speculative_ngram_max_match_window_size: int = field(default=4, metadata={"help": "NGRAM: the longest tail looked up (longer tails are tried first); every cached token is indexed once per window size in between."})
     speculative_ngram_capacity: int = field(default=1_000_000, metadata={"help": "NGRAM: most n-gram entries the index over the radix tree's token sequences holds (the oldest nodes' entries go first past it; 0: drafts from each request's own tokens only)."})
-    speculative_max_batch_size: int = field(default=8, metadata={"help": "With speculative decoding: no drafts in a decode step of more requests than this (large batches are compute-bound: a draft rejected costs as much as a token)."})
+    speculative_max_batch_size: int = field(default=32, metadata={"help": "With speculative decoding: no drafts in a decode step of more requests than this. Below it, a step verifies as many draft tokens as its measured step costs and the requests' acceptance make worth it (large batches are compute-bound: a rejected draft costs as much as a kept token)."})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):

@@ -42,14 +42,12 @@ class DecodePlanner:
         return plan if plan.reqs else None
 
     def _draft(self, plan: BatchPlan) -> None:
-        """Speculative decoding: each request's draft (`Drafter.draft`) joins its token where its
+        """Speculative decoding: each request's draft (`Drafter.drafts`) joins its token where its
         slots grow for it without retracting; with any draft the plan is a verify step."""
         if not self.drafter.drafts_batch(len(plan.reqs)):
             return
-        drafts = []
-        for req in plan.reqs:
-            draft = self.drafter.draft(req)
-            drafts.append(draft if draft and self.cache.grow(req.lease, req.seq_len + len(draft)) else [])
+        drafts = [d if d and self.cache.grow(r.lease, r.seq_len + len(d)) else []
+                  for r, d in zip(plan.reqs, self.drafter.drafts(plan.reqs))]
         if any(drafts):
             plan.mode, plan.drafts = "verify", drafts
             plan.extend_lens = [1 + len(d) for d in drafts]

@@ -18,6 +18,7 @@ the `BudgetPolicy`'s (runtime/policy.py). Parts come from `runtime/build.py`.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Callable
 
 from hicache.manager import CacheManager
@@ -65,11 +66,12 @@ class Scheduler:
                                    self.cache.has_host_tier, cuda)
         self.queue = QueueState()
         self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
-        drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm else None
+        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm \
+            else None
         self.output = OutputProcessor(self.queue, self.cache, self.memory, self.grammars, self.stop_checker,
-                                      self.jump, self.counters, self.context_length, drafter)
+                                      self.jump, self.counters, self.context_length, self.drafter)
         self.decode = DecodePlanner(self.queue, self.cache, self.policy, self.memory, self.stop_checker,
-                                    self.context_length, drafter)
+                                    self.context_length, self.drafter)
         self.prefill = PrefillPlanner(self.queue, self.cache, self.policy, self.memory, self.output, self.decode,
                                       self.counters)
         self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
@@ -129,6 +131,8 @@ class Scheduler:
         while self.has_requests():
             self.step()
         self.counters.update(counters)
+        if self.drafter is not None:
+            self.drafter.costs.clear()  # its steps compiled kernels: no measure of what a step costs
 
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):
@@ -165,10 +169,19 @@ class Scheduler:
         if self.overlap is not None:
             self.overlap.step()
         elif (plan := self.schedule()) is not None:
-            self.process_result(plan, self.runner.run(plan))
+            self.process_result(plan, self._run(plan))
         else:
             self.idle_wait()
         return self.output.take()
+
+    def _run(self, plan: BatchPlan) -> StepOutput:
+        """Runs the plan; with speculative decoding, its seconds go to the drafter's step costs."""
+        if self.drafter is None:
+            return self.runner.run(plan)
+        start = time.perf_counter()
+        out = self.runner.run(plan)
+        self.drafter.timed(plan, time.perf_counter() - start)
+        return out
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""

@@ -1,55 +1,84 @@
-"""`Drafter`: the draft tokens of each request of a decode step (NGRAM), and when to draft none.
+"""`Drafter`: the draft tokens of each request of a decode step (NGRAM), and how many of them to verify.
 
-A request's draft is the continuation of the longest tail of its tokens that matched, in its own
-prompt and output (`ContextNgrams`) or in the token sequences the radix tree holds
-(`CacheManager.propose`); its own tokens win a tie. No drafts in a step of more than
+A request's proposal is the continuation of the longest tail of its tokens that matched, in its
+own prompt and output (`ContextNgrams`) or in the token sequences the radix tree holds
+(`CacheManager.propose`); its own tokens win a tie. None in a step of more than
 `speculative_max_batch_size` requests, for a request whose grammar constrains its tokens or that
 returns log-probs (those decode one token a step), nor past its length limits.
 
-Back-off: a verify step of k drafts costs more than a decode step, so a request whose drafts are
-mostly rejected stops drafting for a while: when the smoothed share of its draft tokens
-accepted falls below `ACCEPT_FLOOR`, it sits out `backoff` steps, doubled at each consecutive
-failure up to `MAX_BACKOFF`, and drafts again after that.
+How many of the proposed tokens a step verifies (`fit`) is a cost decision: a verify step of n
+tokens costs what steps of n tokens were measured to cost (`StepCosts`), and request i's j-th
+draft token is expected to be accepted with probability a_i ** j, a_i its smoothed share of draft
+tokens accepted (`SpecState.rate`). Adding draft tokens in the order of their expected gain, the
+step verifies the prefix of that order that gives the most expected tokens per second; none when
+plain decoding gives more. So a request whose drafts are rejected stops drafting, large batches
+(compute-bound: a rejected token costs as much as a kept one) draft little, and as a request's
+record fades between verifications (`SpecState.fade`) it is tried again.
 """
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 from hicache.runtime.spec.context import ContextNgrams
 
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
+    from hicache.runtime.batch import BatchPlan
     from hicache.runtime.config import RuntimeConfig
     from hicache.runtime.counters import Counters
     from hicache.runtime.request import Req
 
-ACCEPT_FLOOR = 0.25  # smoothed accepted / drafted below which a request backs off
-SMOOTHING = 0.5  # weight of the latest verify step in the smoothed acceptance
-MAX_BACKOFF = 64  # most decode steps a request sits out in a row
+DECAY = 0.8  # weight of a request's earlier draft outcomes at each verify step
+FADE = 0.95  # the same at each decode step it verifies no draft
+COST_SMOOTHING = 0.3  # weight of the latest measurement of a step size's seconds
 
 
 class SpecState:
-    """A request's drafting state: its own n-grams, its smoothed acceptance, its back-off, and
-    its drafts verified and draft tokens accepted so far."""
+    """A request's drafting state: its own n-grams, its smoothed counts of draft tokens accepted
+    and of rejections, and its drafts verified and draft tokens accepted so far."""
 
-    __slots__ = ("context", "acceptance", "skip", "backoff", "verified", "accepted")
+    __slots__ = ("context", "hits", "misses", "verified", "accepted")
 
     def __init__(self, min_window: int, max_window: int):
         self.context = ContextNgrams(min_window, max_window)
-        self.acceptance = 1.0
-        self.skip = 0  # decode steps left without drafts
-        self.backoff = 1  # steps to sit out at the next failure
+        self.hits = self.misses = 0.0
         self.verified = self.accepted = 0
 
+    @property
+    def rate(self) -> float:
+        """The chance that a draft token is accepted once those before it were (1/2 with no record)."""
+        return (self.hits + 1) / (self.hits + self.misses + 2)
+
     def record(self, drafted: int, accepted: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.misses = DECAY * self.misses + (accepted < drafted)
         self.verified += 1
         self.accepted += accepted
-        self.acceptance = (1 - SMOOTHING) * self.acceptance + SMOOTHING * accepted / drafted
-        if self.acceptance >= ACCEPT_FLOOR:
-            self.backoff = 1
-            return
-        self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
-        self.acceptance = ACCEPT_FLOOR  # a retry that is accepted lifts it at once
+
+    def fade(self) -> None:
+        self.hits *= FADE
+        self.misses *= FADE
+
+
+class StepCosts:
+    """Smoothed seconds of decode and verify steps by the tokens they computed. A size not
+    measured yet is estimated by the nearest measured one, so that it gets tried."""
+
+    def __init__(self):
+        self._seconds: dict[int, float] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        self._seconds[tokens] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
+
+    def clear(self) -> None:
+        self._seconds.clear()
+
+    def estimate(self, tokens: int) -> float | None:
+        if not self._seconds:
+            return None
+        return self._seconds[min(self._seconds, key=lambda n: (abs(n - tokens), n))]
 
 
 class Drafter:
@@ -58,27 +87,60 @@ class Drafter:
         self.num_draft_tokens = rc.speculative_num_draft_tokens
         self.max_batch_size = rc.speculative_max_batch_size
         self.windows = (rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size)
+        self.costs = StepCosts()
         counters.spec_lengths(self.num_draft_tokens)
 
     def drafts_batch(self, batch: int) -> bool:
         """Whether a decode step of `batch` requests drafts."""
         return batch <= self.max_batch_size
 
-    def draft(self, req: Req) -> list[int]:
-        """Draft tokens to verify after `req`'s last token (empty: it decodes one token)."""
+    def drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Per request of a decode step, the draft tokens to verify after its last token (empty:
+        it decodes one token), cut to what pays (`fit`)."""
+        proposed = [self._propose(r) for r in reqs]
+        fitted = self.fit([r.spec.rate if r.spec is not None else 0.0 for r in reqs], proposed)
+        for req, draft in zip(reqs, fitted):
+            if req.spec is not None and not draft:
+                req.spec.fade()
+        return fitted
+
+    def _propose(self, req: Req) -> list[int]:
         n = self._room(req)
         if n <= 0 or req.grammar is not None or req.return_logprob or req.top_logprobs_num:
             return []
         if req.spec is None:
             req.spec = SpecState(*self.windows)
-        state = req.spec
-        if state.skip:
-            state.skip -= 1
-            return []
         tokens = req.all_ids
-        own = state.context.propose(tokens, n)
+        own = req.spec.context.propose(tokens, n)
         cached = self.cache.propose(tokens, req.namespace, n)
         return (cached if cached.window > own.window else own).tokens
+
+    def fit(self, rates: list[float], proposed: list[list[int]]) -> list[list[int]]:
+        """The prefix of each proposal to verify: see the module docstring (all of them before
+        any step was measured)."""
+        base = self.costs.estimate(len(proposed))
+        if base is None or not any(proposed):
+            return proposed
+        taken = [0] * len(proposed)
+        gains = [(-rates[i], i) for i, d in enumerate(proposed) if d]
+        heapq.heapify(gains)
+        tokens, expected = len(proposed), float(len(proposed))
+        best, best_taken = expected / base, list(taken)
+        while gains:
+            gain, i = heapq.heappop(gains)
+            taken[i] += 1
+            tokens, expected = tokens + 1, expected - gain
+            if taken[i] < len(proposed[i]):
+                heapq.heappush(gains, (-rates[i] ** (taken[i] + 1), i))
+            rate = expected / self.costs.estimate(tokens)
+            if rate > best:
+                best, best_taken = rate, list(taken)
+        return [d[:k] for d, k in zip(proposed, best_taken)]
+
+    def timed(self, plan: BatchPlan, seconds: float) -> None:
+        """A decode or verify step `plan` took `seconds` to run."""
+        if plan.mode in ("decode", "verify"):
+            self.costs.record(sum(plan.extend_lens), seconds)
 
     def _room(self, req: Req) -> int:
         """Drafts that fit: the step emits them and one token more, within `max_new_tokens` and the context."""

@@ -13,8 +13,9 @@ every accepted token is one that decoding would have produced:
   min(1, p(x) / q(x)), else draw from the normalised max(p - q, 0)) becomes: accept x with
   probability p(x), else draw from p with x removed and renormalised; after the last accepted
   draft, one draw from p. Each token is thus distributed as p given the tokens before it. The
-  uniforms and draws come from the request's own generator, so a seeded request repeats its
-  outputs; they are not the draws decoding without drafts would make.
+  uniforms and draws come from the request's own generator, but how many a step takes depends on
+  its drafts, which follow measured step times and batch mates: a seeded request keeps its
+  distribution, not its draws, from one run to the next.
 """
 from __future__ import annotations
 

@@ -30,29 +30,28 @@ def repeating(seed: int, n: int, params: dict) -> dict:
     model's greedy outputs loop too, and drafts get accepted), two by two."""
     rnd = random.Random(seed)
     phrase = [rnd.randrange(3, 500) for _ in range(9)]
-    return {2 * (i // 2): [request(f"r{i}", (phrase * 5)[i:30 + 3 * i], {**params, "max_new_tokens": 29 + 5 * i})]
-            for i in range(n)}
+    script: dict = {}
+    for i in range(n):
+        script.setdefault(2 * (i // 2), []).append(
+            request(f"r{i}", (phrase * 5)[i:30 + 3 * i], {**params, "max_new_tokens": 29 + 5 * i}))
+    return script
 
 
-def merged(script: dict) -> dict:
-    out: dict = {}
-    for step, msgs in script.items():
-        out.setdefault(step, []).extend(msgs)
-    return out
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_greedy_outputs_equal_decoding_and_drafts_are_accepted(tiny_config_path, page_size):
+@pytest.mark.parametrize("page_size, penalties", [(1, {}), (4, {}), (4, {"frequency_penalty": 0.2,
+                                                                         "repetition_penalty": 1.05})])
+def test_greedy_outputs_equal_decoding_and_drafts_are_accepted(tiny_config_path, page_size, penalties):
+    """With penalties too: each position's history holds the drafts before it."""
+    params = {**GREEDY, **penalties}
     base = scheduler(tiny_config_path, False, page_size)
-    plain = run(base, repeating(0, 6, GREEDY))
+    plain = run(base, repeating(0, 6, params))
     sched = scheduler(tiny_config_path, True, page_size)
-    spec = run(sched, repeating(0, 6, GREEDY))  # integrity after every step; no page held at the end
+    spec = run(sched, repeating(0, 6, params))  # integrity after every step; no page held at the end
     assert sched.cache.tree.total_tokens() == base.cache.tree.total_tokens()  # no rejected draft reached it
     for rid in plain:
         assert spec[rid]["ids"] == plain[rid]["ids"], rid
         assert spec[rid]["reason"] == plain[rid]["reason"], rid
     counts = sched.stats()["speculative"]
-    assert counts["accepted_tokens"] > 0.3 * counts["draft_tokens"] > 0
+    assert counts["accepted_tokens"] > (0 if penalties else 0.3 * counts["draft_tokens"]) and counts["draft_tokens"]
     per = counts["accepted_per_draft"]
     assert sum(per.values()) == counts["drafts"] and sum(int(m) * n for m, n in per.items()) == counts["accepted_tokens"]
     metas = [o["meta"] for o in spec.values()]
@@ -65,6 +64,7 @@ def test_stop_tokens_and_a_draft_past_them_end_where_decoding_ends(tiny_config_p
     first = run(scheduler(tiny_config_path, False), repeating(1, 4, GREEDY))
     # stop at a token each output holds after its first few: drafts carry past it
     stops = {rid: o["ids"][7] for rid, o in first.items()}
+    assert len(stops) == 4
 
     def script():
         return {step: [request(m.rid, m.input_ids, {**GREEDY, "max_new_tokens": m.sampling_params.max_new_tokens,
@@ -78,16 +78,19 @@ def test_stop_tokens_and_a_draft_past_them_end_where_decoding_ends(tiny_config_p
         assert plain[rid]["reason"]["type"] == "stop"
 
 
-def test_sampled_requests_finish_with_seeded_repeats_and_logprob_requests_decode(tiny_config_path):
-    params = {"temperature": 0.8, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1, "seed": 7,
+def test_sampled_requests_finish_and_logprob_requests_decode(tiny_config_path):
+    params = {"temperature": 0.1, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.01, "seed": 7,
               "ignore_eos": True}
-    script = merged({**repeating(2, 4, params),
-                     1: [request("lp", list(range(5, 30)) * 2, {**GREEDY, "max_new_tokens": 12}, return_logprob=True)]})
-    once = run(scheduler(tiny_config_path, True), script)
-    again = run(scheduler(tiny_config_path, True), merged({**repeating(2, 4, params), 1: script[1]}))
-    for rid, o in once.items():
-        assert o["ids"] == again[rid]["ids"] and o["reason"]["type"] == "length", rid
-    assert len(once["lp"]["logprobs"]) == len(once["lp"]["ids"]) == 12  # one log-prob a token: it never drafted
+    script = {**repeating(2, 4, params),
+              1: [request("lp", list(range(5, 30)) * 2, {**GREEDY, "max_new_tokens": 12}, return_logprob=True)]}
+    sched = scheduler(tiny_config_path, True)
+    out = run(sched, script)  # integrity after every step
+    for rid, o in out.items():
+        assert o["reason"]["type"] == "length" and len(o["ids"]) == o["meta"]["completion_tokens"], rid
+    assert [len(out[f"r{i}"]["ids"]) for i in range(4)] == [29 + 5 * i for i in range(4)]
+    assert len(out["lp"]["logprobs"]) == len(out["lp"]["ids"]) == 12  # one log-prob a token: it never drafted
+    assert "spec_verify_ct" not in out["lp"]["meta"]
+    assert sched.stats()["speculative"]["accepted_tokens"] > 0
 
 
 def test_no_drafts_past_the_batch_limit(tiny_config_path):
@@ -98,19 +101,35 @@ def test_no_drafts_past_the_batch_limit(tiny_config_path):
     assert sched.stats()["speculative"]["drafts"] < small.stats()["speculative"]["drafts"]
 
 
-def test_low_acceptance_backs_off():
+def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path):
+    drafter = scheduler(tiny_config_path, True).drafter
+    proposals = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert drafter.fit([0.5, 0.5], proposals) == proposals  # nothing measured yet: all of them
+    for n in range(2, 11):  # memory-bound steps: a token more costs little
+        drafter.costs.record(n, 0.010 + 0.0001 * n)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals
+    assert drafter.fit([0.9, 0.02], proposals) == [[1, 2, 3, 4], []]  # one whose drafts fail drafts none
+    for n in range(2, 11):  # compute-bound steps: each token costs as much as the step before
+        drafter.costs.record(n, 0.005 * n)
+        drafter.costs.record(n, 0.005 * n)
+        drafter.costs.record(n, 0.005 * n)
+    assert drafter.fit([0.6, 0.6], proposals) == [[], []]
+
+
+def test_a_request_record_of_rejections_fades():
     from hicache.runtime.spec.drafter import SpecState
 
     state = SpecState(1, 3)
-    skipped = []
-    for _ in range(6):
+    assert state.rate == 0.5
+    for _ in range(5):
         state.record(4, 0)
-        skipped.append(state.skip)
-        state.skip = 0
-    # smoothed acceptance 1 -> 0.5 -> 0.25 (at the floor), then below: pauses double while drafts keep failing
-    assert skipped == [0, 0, 1, 2, 4, 8]
+    low = state.rate
+    assert low < 0.2
+    for _ in range(40):
+        state.fade()
+    assert low < state.rate < 0.5  # tried again, some time later
     state.record(4, 4)
-    assert state.backoff == 1
+    assert state.rate > 0.5
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
