@@ -19,7 +19,8 @@ from test_overlap import GREEDY, request, run
 
 
 def scheduler(config_path, spec: bool, page_size: int = 4, **options):
-    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_total_tokens=1024, max_running_requests=8,
+    options = {"max_total_tokens": 1024, **options}
+    rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_running_requests=8,
                        chunked_prefill_size=48, max_prefill_tokens=96, device="cpu", dtype="float32",
                        speculative_algorithm="NGRAM" if spec else None, **options)
     return build_scheduler(rc, HiCacheConfig(page_size=page_size, hicache_storage_backend="none"))
@@ -58,6 +59,27 @@ def test_greedy_outputs_equal_decoding_and_drafts_are_accepted(tiny_config_path,
     assert sum(m.get("spec_verify_ct", 0) for m in metas) == counts["drafts"]
     assert all(m["spec_accept_length"] >= 1 for m in metas if "spec_verify_ct" in m)
     assert sched.stats()["forward_steps"] < sum(len(o["ids"]) for o in plain.values())
+
+
+def test_greedy_equal_under_retraction_chunked_prefill_and_l2_load_back(tiny_config_path):
+    """A small L1: prompts longer than a prefill chunk, requests retracted while they draft, and a
+    second wave of the same prompts loaded back from L2."""
+    def script():
+        rnd = random.Random(5)
+        phrase = [rnd.randrange(3, 500) for _ in range(11)]
+        wave = [(phrase * 9)[i:70 + 4 * i] for i in range(6)]
+        return {0: [request(f"a{i}", ids, {**GREEDY, "max_new_tokens": 40}) for i, ids in enumerate(wave)],
+                400: [request(f"b{i}", ids, {**GREEDY, "max_new_tokens": 40}) for i, ids in enumerate(wave)]}
+
+    small = {"max_total_tokens": 320}
+    plain = run(scheduler(tiny_config_path, False, **small), script())
+    sched = scheduler(tiny_config_path, True, **small)
+    spec = run(sched, script())
+    for rid in plain:
+        assert spec[rid]["ids"] == plain[rid]["ids"], rid
+    stats = sched.stats()
+    assert stats["retractions"] > 0 and stats["tiers"]["host"]["hit_tokens"] > 0
+    assert stats["speculative"]["accepted_tokens"] > 0
 
 
 def test_stop_tokens_and_a_draft_past_them_end_where_decoding_ends(tiny_config_path):
