@@ -2,7 +2,7 @@
 same prompts: two Engines on the default model (or `--model-path`), greedy, the radix cache
 flushed before each measurement so that no run drafts from an answer measured before it.
 
-    .venv/bin/python benchmarks/speculative.py [--new-tokens 128] [--batches 1,8,16]
+    .venv/bin/python benchmarks/speculative.py [--new-tokens 128] [--batches 1,8,16] [--repeats 3]
 
 Workloads:
 - copy: edit-this-code prompts (rename a function in code given in the prompt, keep the rest);
@@ -10,13 +10,15 @@ Workloads:
 - again: a chat prompt answered a second time, the first answer left in the cache (a regenerated
   answer): the drafts come from the index over the tree's tokens.
 Decode tokens/s of a batch = (tokens generated - one a request) / (time of the batch - time of
-the same batch with one new token), i.e. the prefill is measured apart and taken off. Prints a
-table with the ratio of NGRAM to plain decoding; appends a JSON line to results/speculative.jsonl.
+the same batch with one new token), i.e. the prefill is measured apart and taken off; the two
+engines alternate, and each figure is the median of the repeats. Prints a table with the ratio
+of NGRAM to plain decoding; appends a JSON line to results/speculative.jsonl.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--workloads", default="copy,chat,again")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engines = {name: Engine(args.model_path, hicache_storage_backend="none", speculative_algorithm=algo)
@@ -83,7 +86,9 @@ def main() -> None:
     try:
         for workload in args.workloads.split(","):
             for batch in batches:
-                rates = {name: decode_rate(e, workload, batch, args.new_tokens) for name, e in engines.items()}
+                runs = [{name: decode_rate(e, workload, batch, args.new_tokens) for name, e in engines.items()}
+                        for _ in range(args.repeats)]
+                rates = {name: statistics.median(r[name] for r in runs) for name in engines}
                 rows.append({"workload": workload, "batch": batch, **rates, "ratio": rates["ngram"] / rates["plain"]})
         spec = engines["ngram"].get_stats()["speculative"]
     finally:

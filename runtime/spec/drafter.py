@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 DECAY = 0.8  # weight of a request's earlier draft outcomes at each verify step
 FADE = 0.95  # the same at each decode step it verifies no draft
 COST_SMOOTHING = 0.3  # weight of the latest measurement of a step size's seconds
+REFRESH = 64  # steps after which the cost of a plain decode step of a batch's size is measured again
 
 
 class SpecState:
@@ -63,17 +64,26 @@ class SpecState:
 
 class StepCosts:
     """Smoothed seconds of decode and verify steps by the tokens they computed. A size not
-    measured yet is estimated by the nearest measured one, so that it gets tried."""
+    measured yet is estimated by the nearest measured one, so that it gets tried; a size last
+    measured more than `REFRESH` steps ago is `stale`."""
 
     def __init__(self):
         self._seconds: dict[int, float] = {}
+        self._measured: dict[int, int] = {}  # size -> the step count at its last measurement
+        self._steps = 0
 
     def record(self, tokens: int, seconds: float) -> None:
         old = self._seconds.get(tokens)
         self._seconds[tokens] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
+        self._steps += 1
+        self._measured[tokens] = self._steps
+
+    def stale(self, tokens: int) -> bool:
+        return self._steps - self._measured.get(tokens, -REFRESH) >= REFRESH
 
     def clear(self) -> None:
         self._seconds.clear()
+        self._measured.clear()
 
     def estimate(self, tokens: int) -> float | None:
         if not self._seconds:
@@ -116,10 +126,12 @@ class Drafter:
         return (cached if cached.window > own.window else own).tokens
 
     def fit(self, rates: list[float], proposed: list[list[int]]) -> list[list[int]]:
-        """The prefix of each proposal to verify: see the module docstring (all of them before
-        any step was measured)."""
+        """The prefix of each proposal to verify: see the module docstring. None while plain
+        decode steps of this batch's size were not measured lately (this step measures one)."""
+        if self.costs.stale(len(proposed)):
+            return [[] for _ in proposed]
         base = self.costs.estimate(len(proposed))
-        if base is None or not any(proposed):
+        if not any(proposed):
             return proposed
         taken = [0] * len(proposed)
         gains = [(-rates[i], i) for i, d in enumerate(proposed) if d]

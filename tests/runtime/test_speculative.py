@@ -124,9 +124,13 @@ def test_no_drafts_past_the_batch_limit(tiny_config_path):
 
 
 def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path):
+    from hicache.runtime.spec.drafter import REFRESH
+
     drafter = scheduler(tiny_config_path, True).drafter
     proposals = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert drafter.fit([0.5, 0.5], proposals) == proposals  # nothing measured yet: all of them
+    assert drafter.fit([0.5, 0.5], proposals) == [[], []]  # a plain step of two is measured first
+    drafter.costs.record(2, 0.010)
+    assert drafter.fit([0.5, 0.5], proposals) == proposals  # larger steps: estimated as that one, tried
     for n in range(2, 11):  # memory-bound steps: a token more costs little
         drafter.costs.record(n, 0.010 + 0.0001 * n)
     assert drafter.fit([0.9, 0.9], proposals) == proposals
@@ -136,6 +140,9 @@ def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path
         drafter.costs.record(n, 0.005 * n)
         drafter.costs.record(n, 0.005 * n)
     assert drafter.fit([0.6, 0.6], proposals) == [[], []]
+    for _ in range(REFRESH):
+        drafter.costs.record(10, 0.001)
+    assert drafter.costs.stale(2) and drafter.fit([0.99, 0.99], proposals) == [[], []]  # measured again first
 
 
 def test_a_request_record_of_rejections_fades():
