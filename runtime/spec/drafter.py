@@ -7,7 +7,8 @@ own prompt and output (`ContextNgrams`) or in the token sequences the radix tree
 returns log-probs (those decode one token a step), nor past its length limits.
 
 How many of the proposed tokens a step verifies (`fit`) is a cost decision: a verify step of n
-tokens costs what steps of n tokens were measured to cost (`StepCosts`), and request i's j-th
+tokens costs what steps of n tokens were measured to cost (`StepCosts`, interpolated between
+the sizes measured), and request i's j-th
 draft token is expected to be accepted with probability a_i ** j, a_i its smoothed share of draft
 tokens accepted (`SpecState.rate`). Adding draft tokens in the order of their expected gain, the
 step verifies the prefix of that order that gives the most expected tokens per second; none when
@@ -63,9 +64,8 @@ class SpecState:
 
 
 class StepCosts:
-    """Smoothed seconds of decode and verify steps by the tokens they computed. A size not
-    measured yet is estimated by the nearest measured one, so that it gets tried; a size last
-    measured more than `REFRESH` steps ago is `stale`."""
+    """Smoothed seconds of decode and verify steps by the tokens they computed (`estimate`: also
+    of sizes not measured yet); a size last measured more than `REFRESH` steps ago is `stale`."""
 
     def __init__(self):
         self._seconds: dict[int, float] = {}
@@ -86,9 +86,16 @@ class StepCosts:
         self._measured.clear()
 
     def estimate(self, tokens: int) -> float | None:
-        if not self._seconds:
-            return None
-        return self._seconds[min(self._seconds, key=lambda n: (abs(n - tokens), n))]
+        """Between two measured sizes, the line between them; past the largest (or below the
+        smallest), that size's seconds: an optimistic guess, which gets tried and measured."""
+        if tokens in self._seconds:
+            return self._seconds[tokens]
+        below = max((n for n in self._seconds if n < tokens), default=None)
+        above = min((n for n in self._seconds if n > tokens), default=None)
+        if below is None or above is None:
+            return None if below is None and above is None else self._seconds[below if above is None else above]
+        lo, hi = self._seconds[below], self._seconds[above]
+        return lo + (hi - lo) * (tokens - below) / (above - below)
 
 
 class Drafter:
