@@ -124,15 +124,17 @@ def test_no_drafts_past_the_batch_limit(tiny_config_path):
 
 
 def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path):
-    from hicache.runtime.spec.drafter import REFRESH
+    from hicache.runtime.spec.drafter import REFRESH, StepCosts
 
     drafter = scheduler(tiny_config_path, True).drafter
     proposals = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert drafter.fit([0.5, 0.5], proposals) == [[], []]  # a plain step of two is measured first
     drafter.costs.record(2, 0.010)
     assert drafter.fit([0.5, 0.5], proposals) == proposals  # larger steps: estimated as that one, tried
-    drafter.costs.record(10, 0.050)
-    assert drafter.costs.estimate(6) == pytest.approx(0.030) and drafter.costs.estimate(20) == 0.050
+    costs = StepCosts()
+    costs.record(2, 0.010)
+    costs.record(10, 0.050)
+    assert costs.estimate(6) == pytest.approx(0.030) and costs.estimate(20) == 0.050 and costs.estimate(1) == 0.010
     for n in range(2, 11):  # memory-bound steps: a token more costs little
         drafter.costs.record(n, 0.010 + 0.0001 * n)
     assert drafter.fit([0.9, 0.9], proposals) == proposals
