@@ -78,9 +78,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--workloads", default="copy,chat,again")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-total-tokens", type=int, default=16384, help="L1 of each engine (L2: twice that)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    engines = {name: Engine(args.model_path, hicache_storage_backend="none", speculative_algorithm=algo)
+    engines = {name: Engine(args.model_path, hicache_storage_backend="none", speculative_algorithm=algo,
+                            max_total_tokens=args.max_total_tokens)
                for name, algo in (("plain", None), ("ngram", "NGRAM"))}
     rows = []
     try:
