@@ -263,7 +263,8 @@ def test_default_model_greedy_equal_with_and_without_drafts(default_model_path):
     params = {"temperature": 0, "max_new_tokens": 96}
     outs = {}
     for spec in (None, "NGRAM"):
-        engine = make_engine(default_model_path, speculative_algorithm=spec, hicache_storage_backend="none")
+        engine = make_engine(default_model_path, speculative_algorithm=spec, hicache_storage_backend="none",
+                             max_total_tokens=4096)
         try:
             outs[spec] = engine.generate(prompt, sampling_params=params)
             stats = engine.get_stats()
@@ -282,7 +283,7 @@ def test_a_regenerated_answer_drafts_from_the_cache(default_model_path):
     lengths, texts = {}, {}
     for capacity in (0, 1_000_000):
         engine = make_engine(default_model_path, speculative_algorithm="NGRAM", speculative_ngram_capacity=capacity,
-                             hicache_storage_backend="none")
+                             hicache_storage_backend="none", max_total_tokens=4096)
         try:
             first = engine.generate(prompt, sampling_params=params)
             again = engine.generate(prompt, sampling_params=params)
