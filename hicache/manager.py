@@ -24,6 +24,7 @@ import torch
 from hicache.backups import BackupQueue
 from hicache.controller import LOAD_BACK_MIN_TOKENS, CacheController
 from hicache.decide import LoadDecider
+from hicache.ngram import NONE as NO_PROPOSAL, NgramIndex, Proposal
 from hicache.pagekey import PageKeys
 from hicache.config import StorageOptions
 from hicache.prefetch import PrefetchOp, StorageRange
@@ -109,12 +110,17 @@ class LoadHandle:
 class CacheManager:
     def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable, decider: LoadDecider,
                  storage: StorageController | None = None, windows: WindowPolicy | None = None,
-                 transfer: TransferEngine | None = None):
+                 transfer: TransferEngine | None = None, ngrams: NgramIndex | None = None):
         """`host`: the L1 <-> L2 transfers over `tree`; `decider`: the load-or-recompute rates the
         host transfers and L3 share; `storage`: L3 (None: off); `windows`: the sliding-window
         policy (None: the model has no windowed layers); `transfer`: the engine of the host
-        transfers' copies, whose order against the compute the caller sets (None: no host tier)."""
+        transfers' copies, whose order against the compute the caller sets (None: no host tier);
+        `ngrams`: the n-gram index over the tree's tokens that drafts come from (None: none),
+        told of the tree's changes here."""
         self.tree, self.host, self.req_table, self.storage, self.windows = tree, host, req_table, storage, windows
+        self.ngrams = ngrams
+        if ngrams is not None:
+            tree.observe(ngrams)
         self.transfer = transfer
         self.decider = decider
         self.allocator = tree.allocator
@@ -127,7 +133,8 @@ class CacheManager:
     def build(cls, tree: RadixTree, req_table: RequestTable, host_pool: HostPool | None = None,
               transfer: TransferEngine | None = None, *, write_policy: str = "write_through",
               load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS, load_decision: str = "measured",
-              windows: WindowPolicy | None = None, storage: StorageSetup | None = None) -> CacheManager:
+              windows: WindowPolicy | None = None, storage: StorageSetup | None = None,
+              ngrams: NgramIndex | None = None) -> CacheManager:
         """The parts over `tree` wired to each other: the host transfers (with `host_pool` and
         `transfer`, or neither), and with `storage` the L3 controller, whose backup queue the host
         transfers feed as L1 -> L2 copies land and which takes L2 room from them."""
@@ -140,7 +147,7 @@ class CacheManager:
         l3 = None if storage is None else StorageController(
             tree, storage.engine, keys, backups, storage.options, host.alloc_host, storage.backend,
             host_pool.bytes_per_token(), decider)
-        return cls(tree, host, req_table, decider, l3, windows, transfer)
+        return cls(tree, host, req_table, decider, l3, windows, transfer, ngrams)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -226,6 +233,19 @@ class CacheManager:
                 end -= need
         self.req_table.scatter(rows, cols, torch.cat(parts))
         return True
+
+    def shrink(self, lease: Lease, upto: int) -> None:
+        """Frees the lease's own slots past the page that holds token `upto - 1`: KV its request
+        computed but does not keep (rejected draft tokens), never given to the tree."""
+        keep = max(-(-upto // self.page_size) * self.page_size, lease.prefix_len)
+        if keep < lease.slots.numel():
+            self.allocator.free(lease.slots[keep:])
+            lease.slots = lease.slots[:keep]
+
+    def propose(self, token_ids: list[int], namespace: str, n: int) -> Proposal:
+        """Up to `n` draft tokens after `token_ids` from the token sequences the tree holds in
+        `namespace` (`NgramIndex.propose`; none without an index)."""
+        return self.ngrams.propose(token_ids, namespace, n) if self.ngrams is not None else NO_PROPOSAL
 
     def advance(self, lease: Lease, computed: int) -> None:
         """The lease's request has computed `computed` tokens: under a sliding window, what it

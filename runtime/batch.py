@@ -21,11 +21,14 @@ class BatchPlan:
     For request i: compute tokens [starts[i], starts[i] + extend_lens[i]) of `req.all_ids`; the KV
     slots of tokens [0, starts[i] + extend_lens[i]) are already in the request-to-token table.
     sample[i] is False for a prefill chunk that does not reach the end of `all_ids`.
+    A "verify" plan (speculative decoding) is a decode step whose requests compute their last
+    token followed by their draft tokens, `drafts[i]` (extend_lens[i] = 1 + len(drafts[i]); the
+    slots of the drafts are in the table too), with logits at every position.
     `loads` is set when some request's prefix is still being loaded back from L2: the pass calls
     its `wait_layer` with each layer before that layer's attention (`hicache.manager.LoadHandle`).
     """
 
-    mode: str  # "extend" | "decode"
+    mode: str  # "extend" | "decode" | "verify"
     reqs: list[Req]
     starts: list[int]
     extend_lens: list[int]
@@ -35,12 +38,20 @@ class BatchPlan:
     prompt_logprobs: Any = None  # set by ModelRunner.forward: its PendingPromptLogprobs (runtime/prompt_logprobs.py)
     created: float = field(default_factory=time.perf_counter)  # when planned: its result's wait measures prefill
     joined: bool = False  # an extend that the decoding requests joined (a forced run's step: jump-forward)
+    drafts: list[list[int]] | None = None  # a verify plan's draft tokens per request (empty: none)
 
     def add(self, req: Req, start: int, n: int, sample: bool) -> None:
         self.reqs.append(req)
         self.starts.append(start)
         self.extend_lens.append(n)
         self.sample.append(sample)
+
+    def input_ids(self, i: int) -> list[int]:
+        """The tokens chunk i computes: of its request's `all_ids`, then its drafts."""
+        req, start, n = self.reqs[i], self.starts[i], self.extend_lens[i]
+        if not self.drafts or not self.drafts[i]:
+            return req.all_ids[start:start + n]
+        return req.all_ids[start:start + n - len(self.drafts[i])] + self.drafts[i]
 
     def past_prompt(self, i: int) -> bool:
         """Whether chunk i starts past its request's prompt (a forced run, or a decode position)."""
@@ -109,10 +120,13 @@ class ForwardBatch:
 class StepOutput(NamedTuple):
     """Per request of the plan: the sampled token (None where the plan did not sample), the
     prompt log-probs its chunk scored (`PendingPromptLogprobs.result`; None where none), and
-    whether the grammars' bitmask allowed the token (None where the step sampled without one)."""
+    whether the grammars' bitmask allowed the token (None where the step sampled without one).
+    A verify step's `extra_ids[i]` are the tokens request i produced after `next_ids[i]`: the two
+    together are its accepted drafts followed by one token of the target's (None for other steps)."""
 
     next_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[list | None]
     input_logprobs: list[list | None]
     allowed: list[bool | None] | None = None
+    extra_ids: list[list[int]] | None = None

@@ -28,6 +28,7 @@ from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
 from hicache.tiers.remote.redact import redact
 from hicache.tiers.remote.worker import StorageWorker
+from hicache.ngram import NgramIndex
 from hicache.tree import RadixTree
 from hicache.window import WindowPolicy
 
@@ -120,7 +121,8 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
         if windows else None
     storage = storage_setup(cc, rc, loaded, host_pool, ranks) if storage_on(cc, host_pool) else None
     cache = CacheManager.build(tree, parts.req_table, host_pool, transfer, write_policy=cc.hicache_write_policy,
-                               load_decision=cc.hicache_load_decision, windows=policy, storage=storage)
+                               load_decision=cc.hicache_load_decision, windows=policy, storage=storage,
+                               ngrams=ngram_index(rc, bool(windows)))
     args = (loaded.model, pool, parts.req_table, parts.attn, parts.device)
     options = {"cuda_graph": not rc.disable_cuda_graph, "max_batch": rc.max_running_requests}
     runner = ModelRunner(*args, **options) if ranks is None else TPModelRunner(ranks, *args, **options)
@@ -128,6 +130,19 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
                 f"; windowed layers: {pool.window_slots} slots" if pool.window_layers else "", parts.context)
     return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name)
+
+
+def ngram_index(rc: RuntimeConfig, windowed: bool) -> NgramIndex | None:
+    """The index over the tree's tokens that NGRAM drafts come from (None: no speculative
+    decoding, or drafts from each request's own tokens only)."""
+    if rc.speculative_algorithm is None:
+        return None
+    if windowed:
+        raise ValueError("speculative_algorithm: not supported with sliding-window models yet")
+    if rc.speculative_ngram_capacity == 0:
+        return None
+    return NgramIndex(rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size,
+                      rc.speculative_ngram_capacity)
 
 
 def least_over_ranks(tp: TensorParallel, n: int, device: torch.device) -> int:

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 from hicache.runtime.attention import check_names
 
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -33,7 +35,7 @@ class RuntimeConfig:
     disable_cpu_kernels: bool = field(default=False, metadata={"help": "On CPU, run the model step on torch ops alone (torch's RMSNorm, RoPE, SiLU-mul and BLAS linears; with attention backends auto, the torch attention) instead of the C++ kernels compiled at first use and oneDNN linears on prepacked weights."})
     disable_cpu_quantized_linears: bool = field(default=False, metadata={"help": "On CPU, run every linear on the float32 weights through oneDNN, instead of reading the weights of small batches' linears (decode of a few requests) from blocks of 4- or 8-bit values that hold them exactly (float32 weights dequantised from GGUF Q4_1 or Q8_0 tensors): 3-5x fewer bytes per step, the same outputs but for the order of float32 sums."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode without CUDA graphs (they are captured at startup on CUDA with the triton or flashinfer backend)."})
-    overlap_schedule: bool | None = field(default=None, metadata={"help": "Overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t. Default: on with CUDA, off on CPU; turned on, it runs on CPU too, with the same outputs and no speedup there (the host and the device are the same cores)."})
+    overlap_schedule: bool | None = field(default=None, metadata={"help": "Overlap the host's scheduling of step t+1 (decode, and prefill after prefill) with the device's step t. Default: on with CUDA, off on CPU and with speculative decoding; turned on, it runs on CPU too, with the same outputs and no speedup there (the host and the device are the same cores)."})
     disable_prefill_ahead: bool = field(default=False, metadata={"help": "With overlap scheduling, drain every prefill step (apply its results) before planning the next, instead of launching the next prefill step while it runs."})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "How much of the running requests' future output an admission keeps free in L1 (SGLang's flag): each running request reserves its output still to come (all of it when its length is certain: ignore_eos; else half of it, at most 4096 tokens), times this; 0 reserves a page per decoding request only, admitting more at the risk of retractions."})
     prefill_ahead_l1_share: float = field(default=0.5, metadata={"help": "With prefill steps launched ahead and an L2: the share of the L1 pool that one prefill step's requests may hold together (past its first request), so that the next step's load-backs find room while it runs; 1: no cap."})
@@ -41,6 +43,12 @@ class RuntimeConfig:
     jump_forward: bool | None = field(default=None, metadata={"help": "Append the run of tokens a request's grammar forces at once and compute it in the next step, instead of decoding each forced token with a model step of its own. Default: on on CPU, off with CUDA, where an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: the model and each KV tier are split over this many processes (one GPU each on CUDA; gloo on CPU)."})
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "Speculative decoding: NGRAM drafts tokens from n-grams of the request's own prompt and output and of every token sequence the radix tree holds, and verifies them in one step (greedy outputs unchanged; sampling keeps the target distribution). Default: off. Not with tp_size > 1, overlap scheduling or sliding-window models."})
+    speculative_num_draft_tokens: int = field(default=6, metadata={"help": "With speculative decoding: most draft tokens verified per request and step (the step computes one more: the request's last token)."})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: the shortest tail of a request's tokens that is looked up to draft from what followed it."})
+    speculative_ngram_max_match_window_size: int = field(default=4, metadata={"help": "NGRAM: the longest tail looked up (longer tails are tried first); every cached token is indexed once per window size in between."})
+    speculative_ngram_capacity: int = field(default=1_000_000, metadata={"help": "NGRAM: most n-gram entries the index over the radix tree's token sequences holds (the oldest nodes' entries go first past it; 0: drafts from each request's own tokens only)."})
+    speculative_max_batch_size: int = field(default=32, metadata={"help": "With speculative decoding: no drafts in a decode step of more requests than this. Below it, a step verifies as many draft tokens as its measured step costs and the requests' acceptance make worth it (large batches are compute-bound: a rejected draft costs as much as a kept token)."})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -64,12 +72,35 @@ class RuntimeConfig:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} (or unset: "
+                             f"off), got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative_ngram_min_match_window_size ({lo}) must be >= 1 and at most "
+                             f"speculative_ngram_max_match_window_size ({hi})")
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError(f"speculative_ngram_capacity must be >= 0, got {self.speculative_ngram_capacity}")
+        if self.speculative_max_batch_size < 1:
+            raise ValueError(f"speculative_max_batch_size must be >= 1, got {self.speculative_max_batch_size}")
+        if self.tp_size > 1:
+            raise ValueError("speculative_algorithm: not supported with tp_size > 1 yet")
+        if self.overlap_schedule:
+            raise ValueError("speculative_algorithm: verify steps run without overlap scheduling; "
+                             "leave overlap_schedule unset or disable it")
 
     def features(self, cuda: bool) -> Features:
         """The tri-state options as they apply on a device (`cuda` or not): None takes the
         device's default (each option's help)."""
-        return Features(_given_or(self.overlap_schedule, cuda), _given_or(self.decode_while_loading, cuda),
-                        _given_or(self.jump_forward, not cuda))
+        overlap = _given_or(self.overlap_schedule, cuda) and self.speculative_algorithm is None
+        return Features(overlap, _given_or(self.decode_while_loading, cuda), _given_or(self.jump_forward, not cuda))
 
 
 class Features(NamedTuple):

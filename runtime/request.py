@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.manager import Lease
 from hicache.runtime.grammar import RequestGrammar
 from hicache.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from hicache.runtime.spec.drafter import SpecState
 
 
 class Status(Enum):
@@ -62,6 +66,7 @@ class Req:
         self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
         self.finished = False  # it left the scheduler's queues (finished or aborted): `QueueState.remove`
         self.prefetch_wait = False  # the L3 prefetch policy kept it waiting when admission last looked
+        self.spec: SpecState | None = None  # its drafting state, once speculative decoding has looked at it
 
     @property
     def status(self) -> Status:

@@ -15,6 +15,7 @@ from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
 from hicache.runtime.bitmask import BitmaskFiller, PendingFill, allowed_ids
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
+from hicache.runtime.spec.verify import verify as spec_verify
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
 
@@ -41,7 +42,37 @@ class ModelRunner:
 
     def run(self, plan: BatchPlan) -> StepOutput:
         """Runs the plan and waits for its tokens."""
+        if plan.mode == "verify":
+            return self.verify(plan)
         return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def verify(self, plan: BatchPlan) -> StepOutput:
+        """A verify step (speculative decoding): one extend pass computes every request's last
+        token and its drafts; a request with drafts takes those the target accepts and one token
+        more (runtime/spec/verify.py: logits at each of its positions), one without samples its
+        next token as a decode step would (grammar bitmask, log-probs). It runs outside the
+        decode CUDA graphs (an extend of 1 + k tokens a request, which they do not capture) and
+        is not overlapped (`RuntimeConfig.features`: the next step's plan needs the accepted
+        lengths on the host)."""
+        plain = [i for i, d in enumerate(plan.drafts) if not d]
+        drafted = [i for i, d in enumerate(plan.drafts) if d]
+        fill = self.fill(plan.reqs, [not d for d in plan.drafts])
+        ids, positions, batch = self._prepare(plan, None)
+        hidden = self.model(ids, positions, batch)
+        if plan.loads is not None:
+            plan.loads.wait_layer(None)
+        ends = list(itertools.accumulate(plan.extend_lens))
+        logits = self.model.compute_logits(_take_rows(hidden, [ends[i] - 1 for i in plain])) if plain else None
+        step = self.sample(plan, plain, logits, fill)
+        blocks = [r for i in drafted for r in range(ends[i] - plan.extend_lens[i], ends[i])]
+        accepted = spec_verify(self.model.compute_logits(_take_rows(hidden, blocks)),
+                               [plan.reqs[i] for i in drafted], [plan.drafts[i] for i in drafted])
+        out = step.result()
+        extra: list[list[int]] = [[] for _ in plan.reqs]
+        for i, tokens in zip(drafted, accepted):
+            out.next_ids[i], extra[i] = tokens[0], tokens[1:]
+        return out._replace(extra_ids=extra)
 
     def launch(self, plan: BatchPlan, input_ids: torch.Tensor | None = None) -> PendingStep:
         """Queues the forward pass and the sampling; the tokens reach the host in `result()`. The
@@ -98,13 +129,14 @@ class ModelRunner:
     def _prepare(self, plan: BatchPlan, input_ids: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
         ids, locs, token_slots = [], [], []
-        for req, start, n in zip(plan.reqs, plan.starts, plan.extend_lens):
+        for i, (req, start, n) in enumerate(zip(plan.reqs, plan.starts, plan.extend_lens)):
             if input_ids is None:
-                ids.extend(req.all_ids[start:start + n])
+                ids.extend(plan.input_ids(i))
             slots = self.req_table.read(req.row, start + n)
             locs.append(slots[start:])
             token_slots.append(slots)
-        batch = ForwardBatch(plan.mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
+        mode = "extend" if plan.mode == "verify" else plan.mode  # a verify step attends as an extend
+        batch = ForwardBatch(mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
                              wait_kv=plan.loads.wait_layer if plan.loads is not None else None)
         lens = torch.tensor(plan.extend_lens)
         starts = torch.tensor(plan.starts)

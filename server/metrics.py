@@ -9,7 +9,7 @@ latest statistics snapshot the scheduler process published, exposed by `Schedule
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 TIERS = ("device", "host", "storage")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -36,6 +36,8 @@ class SchedulerCollector:
         yield _gauge("hicache_num_queued_reqs", "Requests waiting for admission.", s.get("queued", 0))
         yield _gauge("hicache_pages_held", "Device KV pages held by requests.", s.get("pages_held", 0))
         yield from _scheduler_counters(s)
+        if isinstance(s.get("speculative"), dict):
+            yield from _speculative_families(s["speculative"])
         yield from _tier_families(s.get("tiers", {}))
         if isinstance(s.get("replicas"), list):
             yield from _replica_families(s["replicas"])
@@ -53,6 +55,27 @@ def _scheduler_counters(s: dict):
     for key in ("retractions", "requests_finished", "requests_aborted", "ipc_dropped_frames"):
         if isinstance(s.get(key), (int, float)):
             yield CounterMetricFamily(f"hicache_scheduler_{key}", f"Scheduler counter {key}.", value=float(s[key]))
+
+
+_SPEC_COUNTERS = (("drafts", "Drafts verified (one request's draft tokens in one step)."),
+                  ("draft_tokens", "Draft tokens verified."), ("accepted_tokens", "Draft tokens accepted."))
+
+
+def _speculative_families(spec: dict):
+    """Speculative decoding: drafts, draft and accepted tokens, and the draft tokens accepted per
+    draft as a histogram (a verify step emits them and one token more)."""
+    for key, doc in _SPEC_COUNTERS:
+        if _is_number(spec.get(key)):
+            yield CounterMetricFamily(f"hicache_spec_{key}", doc, value=float(spec[key]))
+    per = {int(k): v for k, v in (spec.get("accepted_per_draft") or {}).items() if str(k).isdigit() and _is_number(v)}
+    if per:
+        cumulative, buckets = 0.0, []
+        for m in range(max(per) + 1):
+            cumulative += per.get(m, 0)
+            buckets.append((str(m), cumulative))
+        buckets.append(("+Inf", cumulative))
+        yield HistogramMetricFamily("hicache_spec_accepted_per_draft", "Draft tokens accepted per draft.",
+                                    buckets=buckets, sum_value=float(spec.get("accepted_tokens", 0)))
 
 
 def _tier_families(tiers: dict):

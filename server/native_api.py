@@ -142,8 +142,9 @@ def _native_result(req: GenerateRequest, res: ChoiceResult, shape: _Shape, e2e: 
 
 def _meta_fields(meta: dict) -> dict:
     details = {"device": 0, "host": 0, "storage": 0, **(meta.get("cached_tokens_details") or {})}
+    spec = {k: meta[k] for k in ("spec_verify_ct", "spec_accept_length") if k in meta}
     return {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0),
-            "cached_tokens": meta.get("cached_tokens", 0), "cached_tokens_details": details}
+            "cached_tokens": meta.get("cached_tokens", 0), "cached_tokens_details": details, **spec}
 
 
 async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi: bool,

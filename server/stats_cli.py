@@ -145,6 +145,11 @@ def _summary(stats: dict, url: str) -> Table:
     t.add_row("tokens", f"prompt {_num(server.get('prompt_tokens', tokens.get('prompt')))}",
               f"generated {_num(server.get('generation_tokens', tokens.get('generation')))}",
               f"finished requests {_num(server.get('requests'))}")
+    spec = stats.get("speculative") or {}
+    if spec.get("drafts"):
+        t.add_row("speculative", f"drafts {_num(spec['drafts'])}",
+                  f"accepted {_num(spec.get('accepted_tokens'))} of {_num(spec.get('draft_tokens'))} draft tokens",
+                  f"{1 + spec.get('accepted_tokens', 0) / spec['drafts']:.2f} tokens a verified step")
     router = stats.get("router") or {}
     for r in stats.get("replicas") or []:  # one server's --dp-size replicas
         t.add_row(*_replica_row(r, router))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -11,6 +11,33 @@ from hicache.eviction import AGING, DEFAULT as DEFAULT_EVICTION, UseClock, get_s
 from hicache.tiers.base import PageAllocator
 from hicache.tree.integrity import check_tree
 from hicache.tree.node import MatchResult, TreeNode, _as_tokens, _empty_slots, _slice
+
+
+class TreeObserver(Protocol):
+    """What the tree tells an index over its tokens (`hicache/ngram.py`), on the scheduler thread."""
+
+    def added(self, node: TreeNode) -> None:
+        """`node` was just linked as a new leaf (an insert's new part, or L3 pages on L2)."""
+
+    def deleted(self, node: TreeNode) -> None:
+        """`node`, a leaf still linked to its parent, is about to be unlinked for good."""
+
+    def cleared(self) -> None:
+        """Every node was dropped (`reset`)."""
+
+
+class _NoObserver:
+    def added(self, node: TreeNode) -> None:
+        pass
+
+    def deleted(self, node: TreeNode) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+
+_NO_OBSERVER = _NoObserver()
 
 
 class RadixTree:
@@ -34,7 +61,12 @@ class RadixTree:
         tiers = [a.capacity_tokens() for a in (allocator, host_allocator) if a is not None]
         self.use_clock = UseClock(max(tiers, default=0))  # what the eviction strategy reads besides the nodes
         self.deletions = 0  # nodes deleted so far: a cached prefix can only have shrunk when this moved
+        self._observer: TreeObserver = _NO_OBSERVER
         self._init_state()
+
+    def observe(self, observer: TreeObserver) -> None:
+        """Tells `observer` of every leaf added and node deleted from now on (`TreeObserver`)."""
+        self._observer = observer
 
     def _init_state(self) -> None:
         self._roots: dict[str, TreeNode] = {}
@@ -156,6 +188,7 @@ class RadixTree:
         self._leaves.add(leaf)
         self.attach_host(leaf, host_slots[pos - start:].clone())
         leaf.last_access = now
+        self._observer.added(leaf)
         return pos - start
 
     def path(self, token_ids: Sequence[int], namespace: str = "") -> list[TreeNode]:
@@ -235,10 +268,12 @@ class RadixTree:
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._set_device(leaf, device_slots)
+        self._observer.added(leaf)
         return leaf
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         """Unlinks an unlocked leaf whose slots are already given back; returns its former parent."""
+        self._observer.deleted(node)
         parent = node.parent
         del parent.children[self._page(node.key)]
         self.deletions += 1
@@ -496,6 +531,7 @@ class RadixTree:
             node.parent = None
         self.deletions += len(nodes)
         self._init_state()
+        self._observer.cleared()
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every non-root node of every namespace, parents before children."""

@@ -1,4 +1,5 @@
-"""`DecodePlanner`: one token for every decoding request, and the continuation of a launched step."""
+"""`DecodePlanner`: one token for every decoding request (with speculative decoding, its drafts
+too: a verify step), and the continuation of a launched step."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -11,14 +12,15 @@ if TYPE_CHECKING:
     from hicache.runtime.policy import BudgetPolicy
     from hicache.runtime.scheduler.memory import Memory
     from hicache.runtime.scheduler.queue import QueueState
+    from hicache.runtime.spec.drafter import Drafter
     from hicache.runtime.stop import StopChecker
 
 
 class DecodePlanner:
     def __init__(self, queue: QueueState, cache: CacheManager, policy: BudgetPolicy, memory: Memory,
-                 stops: StopChecker, context_length: int):
+                 stops: StopChecker, context_length: int, drafter: Drafter | None = None):
         self.queue, self.cache, self.policy, self.memory = queue, cache, policy, memory
-        self.stops, self.context_length = stops, context_length
+        self.stops, self.context_length, self.drafter = stops, context_length, drafter
 
     def plan(self, extend: BatchPlan | None = None) -> BatchPlan | None:
         """One token for every running request in `Status.DECODE` (by arrival), less those that sit
@@ -35,7 +37,20 @@ class DecodePlanner:
                     continue
                 if self.cache.grow(req.lease, req.seq_len) if extend else self.memory.make_room(req, req.seq_len):
                     plan.add(req, req.kv_len, 1, True)
+        if extend is None and self.drafter is not None and plan.reqs:
+            self._draft(plan)
         return plan if plan.reqs else None
+
+    def _draft(self, plan: BatchPlan) -> None:
+        """Speculative decoding: each request's draft (`Drafter.drafts`) joins its token where its
+        slots grow for it without retracting; with any draft the plan is a verify step."""
+        if not self.drafter.drafts_batch(len(plan.reqs)):
+            return
+        drafts = [d if d and self.cache.grow(r.lease, r.seq_len + len(d)) else []
+                  for r, d in zip(plan.reqs, self.drafter.drafts(plan.reqs))]
+        if any(drafts):
+            plan.mode, plan.drafts = "verify", drafts
+            plan.extend_lens = [1 + len(d) for d in drafts]
 
     def continue_after(self, plan: BatchPlan) -> tuple[BatchPlan, list[int]] | None:
         """For overlap scheduling: the decode step after the launched step `plan` (a decode step, or

@@ -33,6 +33,11 @@ class Memory:
                 return False
         return True
 
+    def trim(self, req: Req) -> None:
+        """Frees the slots a running request holds past the page of the token it computes next,
+        at `kv_len` (KV of rejected draft tokens, `CacheManager.shrink`)."""
+        self.cache.shrink(req.lease, req.kv_len + 1)
+
     def release(self, req: Req, keep_kv: bool = True) -> None:
         """Gives the cache what the request computed (`keep_kv=False`: nothing new, e.g. when its
         prefix was never loaded correctly) and frees the rest."""

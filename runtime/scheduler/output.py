@@ -23,14 +23,17 @@ if TYPE_CHECKING:
     from hicache.runtime.request import Req
     from hicache.runtime.scheduler.memory import Memory
     from hicache.runtime.scheduler.queue import QueueState
+    from hicache.runtime.spec.drafter import Drafter
     from hicache.runtime.stop import StopChecker
 
 
 class OutputProcessor:
     def __init__(self, queue: QueueState, cache: CacheManager, memory: Memory, grammars: GrammarCompiler,
-                 stops: StopChecker, jump: JumpForward, counters: Counters, context_length: int):
+                 stops: StopChecker, jump: JumpForward, counters: Counters, context_length: int,
+                 drafter: Drafter | None = None):
         self.queue, self.cache, self.memory, self.grammars = queue, cache, memory, grammars
         self.stops, self.jump, self.counters, self.context_length = stops, jump, counters, context_length
+        self.drafter = drafter
         self._outbox: list[TokenOutput] = []
 
     def apply(self, plan: BatchPlan, out: StepOutput, accepted: Callable[[], None] | None = None) -> None:
@@ -51,12 +54,23 @@ class OutputProcessor:
         for i, req in enumerate(plan.reqs):
             if dropped and id(req) in dropped:  # it ran on a load that failed: recomputed later
                 continue
-            req.kv_len += plan.extend_lens[i]
+            if plan.drafts and plan.drafts[i]:
+                self._verified(req, len(plan.drafts[i]), len(out.extra_ids[i]))
+            else:
+                req.kv_len += plan.extend_lens[i]
             self.cache.advance(req.lease, req.kv_len)
             if plan.mode == "extend" and not (plan.joined and plan.past_prompt(i)):
                 self._prompt_computed(req, plan.extend_lens[i], out.input_logprobs[i])
             if out.next_ids[i] is not None:
                 self._sampled(req, out, i)
+
+    def _verified(self, req: Req, drafted: int, accepted: int) -> None:
+        """A verify step computed `req`'s last token and `drafted` drafts, of which the first
+        `accepted` hold: their KV is kept, the slots of the rejected ones are freed (whole pages
+        past the next token's), none of them ever reaches the tree."""
+        req.kv_len += 1 + accepted
+        self.memory.trim(req)
+        self.drafter.record(req, drafted, accepted)
 
     def _prompt_computed(self, req: Req, n: int, input_logprobs: list | None) -> None:
         """`n` more of `req`'s prompt tokens computed (with their prompt log-probs)."""
@@ -67,21 +81,27 @@ class OutputProcessor:
         req.input_logprobs.extend(input_logprobs or ())
 
     def _sampled(self, req: Req, out: StepOutput, i: int) -> None:
-        """`req`'s token from the step (its grammar accepted it): appended, stop-checked, followed by
-        the tokens its grammar forces, emitted."""
+        """`req`'s token from the step (its grammar accepted it), and after it those a verify step
+        accepted: appended and stop-checked one by one (a stop drops the rest), followed by the
+        tokens its grammar forces, emitted together."""
         token = out.next_ids[i]
         if req.params.max_new_tokens == 0:  # the prompt alone was asked for: its token is dropped
             self._finish(req)
             self.emit(req, [], {"type": "length", "length": 0}, None)
             return
-        req.output_ids.append(token)
-        self.counters["generation_tokens"] += 1
+        new, reason = [], None
+        for t in (token, *(out.extra_ids[i] if out.extra_ids else ())):  # past one: accepted drafts (no log-probs)
+            req.output_ids.append(t)
+            new.append(t)
+            self.counters["generation_tokens"] += 1
+            reason = self.stops.check(req, self.context_length)
+            if reason is not None:
+                break
         logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
-        reason = self.stops.check(req, self.context_length)
         forced, reason = self.jump(req) if reason is None else ([], reason)
         if reason is not None:
             self._finish(req)
-        self.emit(req, [token, *forced], reason, logprobs)
+        self.emit(req, [*new, *forced], reason, logprobs)
 
     def jump_first(self, req: Req) -> bool:
         """Jump-forward before a waiting request's first token (its forced run is computed with its

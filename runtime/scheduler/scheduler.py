@@ -8,7 +8,9 @@ with overlap scheduling (`OverlapLoop`, overlap.py) it is applied during the nex
 The parts, each given its collaborators: `QueueState` (queue.py: waiting and running requests,
 their version), `PrefillPlanner` (prefill.py: next chunks and admissions), `DecodePlanner`
 (decode.py: a token for each decoding request), `OutputProcessor` (output.py: results, stops,
-grammars, jump-forward, outputs), `Memory` (memory.py: room, retraction, release). A request's
+grammars, jump-forward, outputs), `Memory` (memory.py: room, retraction, release); with
+speculative decoding, the `Drafter` (runtime/spec/) that the decode planner and the output
+processor share. A request's
 phase is its `Status` (runtime/request.py). What a request holds of the cache goes through the
 `CacheManager` (`hicache.manager`); budget decisions (chunk sizes, order, retraction victim) are
 the `BudgetPolicy`'s (runtime/policy.py). Parts come from `runtime/build.py`.
@@ -16,6 +18,7 @@ the `BudgetPolicy`'s (runtime/policy.py). Parts come from `runtime/build.py`.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Callable
 
 from hicache.manager import CacheManager
@@ -35,6 +38,7 @@ from hicache.runtime.scheduler.output import OutputProcessor
 from hicache.runtime.scheduler.overlap import OverlapLoop
 from hicache.runtime.scheduler.prefill import PrefillPlanner
 from hicache.runtime.scheduler.queue import QueueState
+from hicache.runtime.spec.drafter import Drafter
 from hicache.runtime.stop import StopChecker
 
 
@@ -62,10 +66,12 @@ class Scheduler:
                                    self.cache.has_host_tier, cuda)
         self.queue = QueueState()
         self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
+        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm \
+            else None
         self.output = OutputProcessor(self.queue, self.cache, self.memory, self.grammars, self.stop_checker,
-                                      self.jump, self.counters, self.context_length)
+                                      self.jump, self.counters, self.context_length, self.drafter)
         self.decode = DecodePlanner(self.queue, self.cache, self.policy, self.memory, self.stop_checker,
-                                    self.context_length)
+                                    self.context_length, self.drafter)
         self.prefill = PrefillPlanner(self.queue, self.cache, self.policy, self.memory, self.output, self.decode,
                                       self.counters)
         self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
@@ -125,6 +131,8 @@ class Scheduler:
         while self.has_requests():
             self.step()
         self.counters.update(counters)
+        if self.drafter is not None:
+            self.drafter.costs.clear()  # its steps compiled kernels: no measure of what a step costs
 
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):
@@ -161,10 +169,19 @@ class Scheduler:
         if self.overlap is not None:
             self.overlap.step()
         elif (plan := self.schedule()) is not None:
-            self.process_result(plan, self.runner.run(plan))
+            self.process_result(plan, self._run(plan))
         else:
             self.idle_wait()
         return self.output.take()
+
+    def _run(self, plan: BatchPlan) -> StepOutput:
+        """Runs the plan; with speculative decoding, its seconds go to the drafter's step costs."""
+        if self.drafter is None:
+            return self.runner.run(plan)
+        start = time.perf_counter()
+        out = self.runner.run(plan)
+        self.drafter.timed(plan, time.perf_counter() - start)
+        return out
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""

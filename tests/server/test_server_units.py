@@ -232,6 +232,26 @@ def test_metrics_render_scheduler_and_request_series():
     assert families["hicache_tier_in_flight"].type == "gauge"
 
 
+def test_metrics_and_the_cli_show_speculative_decoding():
+    spec = {"drafts": 10, "draft_tokens": 40, "accepted_tokens": 25,
+            "accepted_per_draft": {"0": 2, "1": 1, "2": 3, "3": 1, "4": 3}}
+    m = ServerMetrics()
+    families = {f.name: f for f in text_string_to_metric_families(m.render({**STATS, "speculative": spec}).decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("hicache_spec_accepted_tokens_total", ())] == 25
+    assert samples[("hicache_spec_drafts_total", ())] == 10
+    assert families["hicache_spec_accepted_per_draft"].type == "histogram"
+    assert samples[("hicache_spec_accepted_per_draft_bucket", (("le", "1"),))] == 3
+    assert samples[("hicache_spec_accepted_per_draft_bucket", (("le", "+Inf"),))] == 10
+    assert samples[("hicache_spec_accepted_per_draft_sum", ())] == 25
+    from rich.console import Console
+
+    console = Console(width=160, record=True)
+    console.print(stats_cli.render({**STATS, "speculative": spec}, "http://x"))
+    text = console.export_text()
+    assert "accepted 25 of 40 draft tokens" in text and "3.50 tokens" in text
+
+
 def test_stats_hit_rates_and_table():
     assert stats_cli.hit_rates(STATS) == {"device": 0.4, "host": 0.1, "storage": 0.0}
     no_server = {k: v for k, v in STATS.items() if k != "server"}
