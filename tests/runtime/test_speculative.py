@@ -18,6 +18,19 @@ from engines import make_engine
 from test_overlap import GREEDY, request, run
 
 
+@pytest.fixture(autouse=True)
+def memory_bound_step_costs(monkeypatch):
+    """Step costs of a memory-bound device (a token more costs a hundredth of a step), recorded
+    instead of this machine's timings: whether and how long a request drafts must not depend on
+    how loaded the machine running the tests is. The cost model itself is tested on its own."""
+    from hicache.runtime.spec.drafter import Drafter
+
+    def timed(self, plan, seconds):
+        if plan.mode in ("decode", "verify"):
+            self.costs.record(sum(plan.extend_lens), 0.01 * (1 + sum(plan.extend_lens) / 100))
+    monkeypatch.setattr(Drafter, "timed", timed)
+
+
 def scheduler(config_path, spec: bool, page_size: int = 4, **options):
     options = {"max_total_tokens": 1024, **options}
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_running_requests=8,
@@ -71,7 +84,7 @@ def test_greedy_equal_under_retraction_chunked_prefill_and_l2_load_back(tiny_con
         return {0: [request(f"a{i}", ids, {**GREEDY, "max_new_tokens": 40}) for i, ids in enumerate(wave)],
                 400: [request(f"b{i}", ids, {**GREEDY, "max_new_tokens": 40}) for i, ids in enumerate(wave)]}
 
-    small = {"max_total_tokens": 320}
+    small = {"max_total_tokens": 320, "schedule_conservativeness": 0}  # admit past the outputs' room: retract
     plain = run(scheduler(tiny_config_path, False, **small), script())
     sched = scheduler(tiny_config_path, True, **small)
     spec = run(sched, script())
@@ -101,7 +114,7 @@ def test_stop_tokens_and_a_draft_past_them_end_where_decoding_ends(tiny_config_p
 
 
 def test_sampled_requests_finish_and_logprob_requests_decode(tiny_config_path):
-    params = {"temperature": 0.1, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.01, "seed": 7,
+    params = {"temperature": 0.1, "top_k": 20, "top_p": 0.95, "seed": 7,
               "ignore_eos": True}
     script = {**repeating(2, 4, params),
               1: [request("lp", list(range(5, 30)) * 2, {**GREEDY, "max_new_tokens": 12}, return_logprob=True)]}
@@ -112,7 +125,7 @@ def test_sampled_requests_finish_and_logprob_requests_decode(tiny_config_path):
     assert [len(out[f"r{i}"]["ids"]) for i in range(4)] == [29 + 5 * i for i in range(4)]
     assert len(out["lp"]["logprobs"]) == len(out["lp"]["ids"]) == 12  # one log-prob a token: it never drafted
     assert "spec_verify_ct" not in out["lp"]["meta"]
-    assert sched.stats()["speculative"]["accepted_tokens"] > 0
+    assert sched.stats()["speculative"]["accepted_tokens"] > 0, sched.stats()["speculative"]
 
 
 def test_no_drafts_past_the_batch_limit(tiny_config_path):
