@@ -1,0 +1,131 @@
+"""DeepSeek-V2 decoder (HF DeepseekV2ForCausalLM), built from llama.py's pieces.
+
+What differs from Llama: multi-head latent attention (`MLAttention`): q through a low-rank
+projection with an RMSNorm (`q_lora_rank`; V2-Lite projects q directly), one latent per token
+(`kv_a_proj_with_mqa`, RMS-normalised) from which `kv_b_proj` up-projects every head's K and V,
+and a RoPE key shared by the heads; RoPE rotates interleaved pairs (2i, 2i+1) of the RoPE part
+only, with YaRN scaling when configured. The first `first_k_dense_replace` layers run a dense
+MLP, the others DeepSeek's MoE (`moe.DeepseekMoeBlock`: group-limited top-k of the router softmax,
+scaled by `routed_scaling_factor`, plus ungated shared experts).
+
+Contract with the latent attention backend (`runtime/attention/latent.py`): each layer calls
+`batch.attn.forward(q, latent, layer_id, batch)` with the absorbed query q [T, H, kv_lora_rank +
+qk_rope_head_dim] (the no-RoPE part of q multiplied into the latent space by kv_b's key rows) and
+latent [T, kv_lora_rank + qk_rope_head_dim] (normed latent, then the rotated key); the backend
+caches the latent and returns [T, H, kv_lora_rank]: the attention-weighted latents, which kv_b's
+value rows turn into each head's output.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models.layers import RMSNorm, RotaryEmbedding, linear
+from hicache.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, make_mlp
+from hicache.runtime.models.moe import DeepseekMoeBlock
+from hicache.runtime.models.sharding import Index
+from hicache.runtime.parallel import SINGLE, TensorParallel
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position as interleaved pairs (x[2i], x[2i+1]) (HF's complex
+    rotation); cos and sin [T, 1, D/2] fp32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over one cached latent per token (see the module docstring).
+    Tensor parallelism is not supported (the latent would be whole on every rank, the heads split)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        if tp.sharded:
+            raise ValueError("DeepSeek-V2 (MLA) under tensor parallelism is not supported: use tp_size 1")
+        mla, h = config.mla, config.hidden_size
+        self.layer_id, self.mla, self.num_heads = layer_id, mla, config.num_heads
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        q_out = self.num_heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = param(q_out, h)
+            self.LINEARS = ("q_proj", "kv_a_proj", "o_proj")
+        else:
+            self.q_a_proj, self.q_b_proj = param(mla.q_lora_rank, h), param(q_out, mla.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype, device)
+            self.LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj")
+        self.kv_a_proj = param(mla.latent_dim, h)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype, device)
+        self.kv_b_proj = param(self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.o_proj = param(h, self.num_heads * mla.v_head_dim)
+        self.packs: dict[str, Any] = {}
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H, qk_head_dim]."""
+        if self.mla.q_lora_rank is None:
+            q = linear(x, self.q_proj, self.packs.get("q_proj"))
+        else:
+            q = linear(self.q_a_layernorm(linear(x, self.q_a_proj, self.packs.get("q_a_proj"))), self.q_b_proj,
+                       self.packs.get("q_b_proj"))
+        return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
+        mla, T = self.mla, x.shape[0]
+        q_nope, q_pe = self.query(x).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_pe = linear(x, self.kv_a_proj, self.packs.get("kv_a_proj")).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        rope.cover(positions)
+        cos, sin = rope.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        q_pe, k_pe = rotate_pairs(q_pe, cos, sin), rotate_pairs(k_pe.unsqueeze(1), cos, sin)[:, 0]
+        kv_b = self.kv_b_proj.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        w_k, w_v = kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_k), q_pe], dim=-1)
+        cached = torch.cat([self.kv_a_layernorm(latent.contiguous()), k_pe], dim=-1)
+        out = batch.attn.forward(q, cached, self.layer_id, batch)  # [T, H, kv_lora_rank]
+        out = torch.einsum("thc,hvc->thv", out, w_v).reshape(T, self.num_heads * mla.v_head_dim)
+        return linear(out, self.o_proj, self.packs.get("o_proj"))
+
+    def targets(self) -> dict[str, tuple[torch.Tensor, Index]]:
+        """`self_attn.<name>` -> (the parameter it fills, ())."""
+        table = {"kv_a_proj_with_mqa.weight": self.kv_a_proj, "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
+                 "kv_b_proj.weight": self.kv_b_proj, "o_proj.weight": self.o_proj}
+        if self.mla.q_lora_rank is None:
+            table["q_proj.weight"] = self.q_proj
+        else:
+            table |= {"q_a_proj.weight": self.q_a_proj, "q_a_layernorm.weight": self.q_a_layernorm.weight,
+                      "q_b_proj.weight": self.q_b_proj}
+        return {name: (p, ()) for name, p in table.items()}
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """Llama's block (its forward) around MLA and DeepSeek's MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE):
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = MLAttention(config, layer_id, dtype, device, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = make_mlp(config, layer_id, dtype, device, tp, sparse=DeepseekMoeBlock)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """The whole model; weights as LlamaForCausalLM's (HF names). Its KV pool holds one latent per
+    token and layer (`ModelConfig.cache_heads`, `cache_head_dim`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TensorParallel = SINGLE):
+        nn.Module.__init__(self)
+        self.init_common(config, dtype, device, tp)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, dtype, device, tp)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.num_heads, self.num_kv_heads = config.num_heads, config.cache_heads

@@ -1,0 +1,192 @@
+"""DeepSeek-V2 (multi-head latent attention, DeepSeek MoE) against HF transformers (fp32, CPU), on
+tiny random models built by HF from a DeepseekV2Config: q through a LoRA projection or directly
+(V2-Lite), group-limited routing with a routed scaling factor and a shared expert after one dense
+layer, YaRN RoPE. The L1 pool holds one latent per token and layer; the Engine's greedy outputs
+equal HF's through chunked prefill, a retraction, radix hits and L2 load-backs, and after an L3
+round trip (a restart on the same LMDB)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import greedy, make_engine
+from families import hf_greedy, save_folder
+from hicache.config import HiCacheConfig
+from hicache.runtime.attention import make_latent_attention
+from hicache.runtime.attention.latent import LatentAttention
+from hicache.runtime.batch import ForwardBatch
+from hicache.runtime.build import build_scheduler
+from hicache.runtime.config import RuntimeConfig
+from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.tokenizer import load_tokenizer
+from hicache.runtime.weights import load_model
+from hicache.tiers.gpu.pool import DeviceKVPool
+
+VOCAB = 49152  # the default model's tokenizer
+PAGE = 4
+NEW_TOKENS = 10
+LOGIT_TOL = 1e-4
+_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+             max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, intermediate_size=96,
+             moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+             topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=2.0, first_k_dense_replace=1,
+             q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+         "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+VARIANTS = {"v2": {}, "v2_lite": {"q_lora_rank": None}, "yarn": {"rope_parameters": _YARN}}
+LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim
+
+
+def hf_deepseek(seed: int = 0, **options) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.DeepseekV2Config(**{**_BASE, **options})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer) -> tuple[torch.nn.Module, Path]:
+    model = hf_deepseek()
+    return model, save_folder(model, tmp_path_factory.mktemp("deepseek_v2"), tokenizer)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_folder_logits_match_hf_with_cached_prefix(variant, tmp_path, tokenizer):
+    """Through the latent pool: a 30-token prefix, then the rest extending over its cached latents
+    (past YaRN's original context for the yarn variant)."""
+    hf = hf_deepseek(**VARIANTS[variant])
+    loaded = load_model(save_folder(hf, tmp_path, tokenizer))
+    model, cfg = loaded.model, loaded.config
+    assert cfg.architecture == "DeepseekV2ForCausalLM" and cfg.moe.dense_layers == (0,)
+    ids = _prompts(1, (72,))[0]
+    pool = DeviceKVPool(256, 1, cfg.num_layers, cfg.cache_heads, cfg.cache_head_dim, torch.float32, "cpu")
+    attn = LatentAttention(cfg.mla.kv_lora_rank, cfg.attn_scale)
+    slots = torch.randperm(256)[: len(ids)]
+
+    def logits(start: int, end: int) -> torch.Tensor:
+        batch = ForwardBatch("extend", attn, pool, slots[start:end], [end - start], [slots[:end]])
+        return model.compute_logits(model(torch.tensor(ids[start:end]), torch.arange(start, end), batch))
+
+    logits(0, 30)
+    tail = logits(30, len(ids))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, 30:]
+    assert (tail - ref).abs().max().item() < LOGIT_TOL
+
+
+def test_latent_pool_bytes_per_token(tiny):
+    """One latent (kv_lora_rank + qk_rope_head_dim values) per token per layer in L1 and L2, not
+    per-head K and V."""
+    _, folder = tiny
+    with make_engine(folder, max_total_tokens=256, page_size=PAGE) as engine:
+        stats = engine.get_stats()
+        assert engine.scheduler.bytes_per_token == 2 * LATENT * 4
+    assert stats["tiers"]["host"]["bytes_per_token"] == 2 * LATENT * 4
+    per_head = 2 * 4 * (16 + 8 + 16) * 4  # layers x heads x (K + V widths) x fp32
+    assert per_head / (2 * LATENT * 4) == 4.0
+
+
+def test_engine_greedy_matches_hf(tiny):
+    """Round 1: four prompts at once, prefill in chunks of 16, a pool that forces a retraction.
+    Round 2: the same prompts plus a new tail, their prefixes from the radix cache, most of them
+    loaded back from L2 (the small pool evicted them)."""
+    hf, folder = tiny
+    first = _prompts(3, (37, 22, 45, 30))
+    second = [p + t for p, t in zip(first, _prompts(4, (5, 3, 6, 4)))]
+    pool = (sum(-(-len(p) // PAGE) for p in first) + len(first) + 1) * PAGE
+    with make_engine(folder, max_total_tokens=pool, page_size=PAGE, chunked_prefill_size=16,
+                     hicache_ratio=8.0) as engine:
+        for prompts in (first, second):
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
+            assert [o["output_ids"] for o in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        stats = engine.get_stats()
+        engine.check_integrity()
+    assert stats["retractions"] > 0, stats
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+    assert stats["tiers"]["host"]["loaded_back_tokens"] > 0, stats["tiers"]["host"]
+
+
+def _l3_scheduler(folder: Path, lmdb: Path):
+    rc = RuntimeConfig(model_path=str(folder), max_total_tokens=256, max_running_requests=4)
+    cc = HiCacheConfig(page_size=PAGE, hicache_ratio=2.0, hicache_storage_backend="lmdb",
+                       hicache_load_decision="always", hicache_storage_io="threads",
+                       hicache_storage_backend_extra_config={"path": str(lmdb), "prefetch_threshold": 8})
+    return build_scheduler(rc, cc)
+
+
+def _run(sched, rid: str, ids: list[int]) -> tuple[list[int], dict]:
+    params = SamplingParams.from_dict(greedy(NEW_TOKENS), vocab_size=VOCAB)
+    sched.add_request(GenerateRequest(rid, ids, params))
+    out, meta = [], None
+    for _ in range(2000):
+        if not sched.has_requests():
+            return out, meta
+        for o in sched.step():
+            out += o.new_token_ids
+            meta = o.meta
+        sched.check_integrity()
+    raise AssertionError("the request did not finish")
+
+
+def _settle(sched) -> None:
+    for _ in range(500):
+        if not sched.cache.storage.busy():
+            return
+        sched.cache.storage.wait(0.02)
+        sched.cache.storage.poll()
+    raise AssertionError("L3 operations still in flight")
+
+
+def test_l3_round_trip_of_latent_pages(tiny, tmp_path):
+    """Latent pages backed up to LMDB, then a fresh scheduler on the same LMDB serves the prompt's
+    pages from storage, with HF's greedy output."""
+    hf, folder = tiny
+    prompt = _prompts(5, (40,))[0]
+    want = hf_greedy(hf, prompt, NEW_TOKENS)
+    first = _l3_scheduler(folder, tmp_path)
+    assert _run(first, "a", prompt)[0] == want
+    _settle(first)
+    assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 40 // PAGE * PAGE
+    first.close()
+    second = _l3_scheduler(folder, tmp_path)
+    out, meta = _run(second, "b", prompt)
+    second.close()
+    assert out == want
+    assert meta["cached_tokens_details"]["storage"] >= 36, meta
+
+
+def test_deepseek_config_refusals():
+    d = {**_BASE, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+    cfg = ModelConfig.from_hf_config(d)
+    assert (cfg.cache_heads, cfg.cache_head_dim, cfg.head_dim) == (1, LATENT // 2, 8)
+    assert cfg.moe.shared_intermediate_size == 32 and cfg.moe.routed_scaling_factor == 2.0
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        ModelConfig.from_hf_config({**d, "norm_topk_prob": True})
+    with pytest.raises(ValueError, match="topk_method"):
+        ModelConfig.from_hf_config({**d, "topk_method": "noaux_tc"})
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 8,
+                                    "rope_scaling": _YARN})
+    with pytest.raises(ValueError, match="MLA"):
+        make_latent_attention("triton", "auto", 32, 0.2)
