@@ -299,8 +299,8 @@ def _check_supported(d: dict, arch: str, family: Family) -> None:
         raise ValueError("pretraining_tp > 1 is not supported")
     if arch == "DeepseekV2ForCausalLM":
         _check_deepseek(d)
-    elif _rope(d)[1] and _rope(d)[1]["rope_type"] == "yarn":
-        raise ValueError(f"yarn rope scaling is supported for DeepSeek-V2 only, not {arch}")
+    elif _declared_rope_type(d) == "yarn":
+        raise ValueError(f"rope type 'yarn' is supported for DeepSeek-V2 only, not {arch}")
 
 
 def _check_deepseek(d: dict) -> None:
@@ -411,6 +411,11 @@ def _moe_hf_keys(cfg: ModelConfig) -> dict:
     return {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.intermediate_size,
             "norm_topk_prob": m.norm_topk_prob, "shared_expert_intermediate_size": m.shared_intermediate_size,
             "decoder_sparse_step": m.sparse_step, "mlp_only_layers": list(m.dense_layers)}
+
+
+def _declared_rope_type(d: dict) -> str:
+    merged = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+    return merged.get("rope_type") or merged.get("type") or "default"
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:

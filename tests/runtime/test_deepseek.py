@@ -22,9 +22,11 @@ from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.models import get_model_class
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.tokenizer import load_tokenizer
 from hicache.runtime.weights import load_model
+from hicache.runtime.weights.gguf import GGUFCheckpoint
 from hicache.tiers.gpu.pool import DeviceKVPool
 
 VOCAB = 49152  # the default model's tokenizer
@@ -92,6 +94,93 @@ def test_folder_logits_match_hf_with_cached_prefix(variant, tmp_path, tokenizer)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, 30:]
     assert (tail - ref).abs().max().item() < LOGIT_TOL
+
+
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+               "self_attn.q_proj.weight": "attn_q", "self_attn.q_a_proj.weight": "attn_q_a",
+               "self_attn.q_a_layernorm.weight": "attn_q_a_norm", "self_attn.q_b_proj.weight": "attn_q_b",
+               "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa", "self_attn.kv_a_layernorm.weight":
+               "attn_kv_a_norm", "self_attn.o_proj.weight": "attn_output", "mlp.gate.weight": "ffn_gate_inp",
+               "mlp.experts.down_proj": "ffn_down_exps", "mlp.gate_proj.weight": "ffn_gate",
+               "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
+               "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp",
+               "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
+               "mlp.shared_experts.down_proj.weight": "ffn_down_shexp"}
+
+
+def _gguf_layer_tensors(rest: str, t: torch.Tensor, c):
+    """llama.cpp's deepseek2 tensors of one HF layer tensor: kv_b split into k_b (transposed) and v_b."""
+    if rest == "self_attn.kv_b_proj.weight":
+        kv_b = t.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+        yield "attn_k_b", k_b.transpose(1, 2)
+        yield "attn_v_b", v_b
+    elif rest == "mlp.experts.gate_up_proj":
+        gate, up = t.chunk(2, dim=1)
+        yield "ffn_gate_exps", gate
+        yield "ffn_up_exps", up
+    else:
+        yield _GGUF_LAYER[rest], t
+
+
+def write_deepseek2_gguf(model: torch.nn.Module, path: Path) -> Path:
+    """model as an fp32 `deepseek2` GGUF laid out as llama.cpp's converter writes it (MLA as MQA
+    over the latent: head_count_kv 1, key_length the latent's, key_length_mla a head's)."""
+    import gguf
+    import numpy as np
+
+    c, arch = model.config, "deepseek2"
+    w = gguf.GGUFWriter(str(path), arch)
+    ints = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "attention.head_count": c.num_attention_heads, "attention.head_count_kv": 1,
+            "attention.kv_lora_rank": c.kv_lora_rank, "attention.key_length": c.kv_lora_rank + c.qk_rope_head_dim,
+            "attention.value_length": c.kv_lora_rank, "attention.key_length_mla": c.qk_nope_head_dim + c.qk_rope_head_dim,
+            "attention.value_length_mla": c.v_head_dim, "rope.dimension_count": c.qk_rope_head_dim,
+            "vocab_size": c.vocab_size, "leading_dense_block_count": c.first_k_dense_replace,
+            "expert_feed_forward_length": c.moe_intermediate_size, "expert_count": c.n_routed_experts,
+            "expert_used_count": c.num_experts_per_tok, "expert_shared_count": c.n_shared_experts,
+            "expert_gating_func": 1, "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group}
+    if c.q_lora_rank:
+        ints["attention.q_lora_rank"] = c.q_lora_rank
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.expert_weights_scale", c.routed_scaling_factor)
+    w.add_bool(f"{arch}.expert_weights_norm", False)
+    for name, t in model.state_dict().items():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            pairs = [(f"blk.{i}.{g}.weight", gt) for g, gt in _gguf_layer_tensors(rest, t, c)]
+        else:
+            pairs = [({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                       "lm_head.weight": "output.weight"}[name], t)]
+        for gname, gt in pairs:
+            w.add_tensor(gname, np.ascontiguousarray(gt.detach().float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", ["v2", "v2_lite"])
+def test_gguf_logits_match_hf(variant, tmp_path):
+    hf = hf_deepseek(**VARIANTS[variant])
+    ckpt = GGUFCheckpoint(write_deepseek2_gguf(hf, tmp_path / "tiny.gguf"))
+    assert ckpt.config.mla == ModelConfig.from_hf_config(hf.config.to_dict()).mla
+    assert ckpt.config.moe.num_groups == 4 and ckpt.config.moe.routed_scaling_factor == 2.0
+    model = get_model_class(ckpt.config.architecture)(ckpt.config)
+    model.check_loaded(model.load_weights(ckpt.tensors()))
+    ids = _prompts(2, (24,))[0]
+    pool = DeviceKVPool(64, 1, 2, 1, LATENT // 2, torch.float32, "cpu")
+    batch = ForwardBatch("extend", LatentAttention(32, ckpt.config.attn_scale), pool, torch.arange(24), [24],
+                         [torch.arange(24)])
+    ours = model.compute_logits(model(torch.tensor(ids), torch.arange(24), batch))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < LOGIT_TOL
 
 
 def test_latent_pool_bytes_per_token(tiny):
@@ -190,3 +279,20 @@ def test_deepseek_config_refusals():
                                     "rope_scaling": _YARN})
     with pytest.raises(ValueError, match="MLA"):
         make_latent_attention("triton", "auto", 32, 0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_on_cuda_matches_hf(tiny):
+    """The torch latent backend on CUDA, fp32, with the L2 load-back of a second round."""
+    hf, folder = tiny
+    first = _prompts(5, (37, 22, 45, 30))
+    second = [p + t for p, t in zip(first, _prompts(6, (5, 3, 6, 4)))]
+    with make_engine(folder, device="cuda", dtype="float32", page_size=PAGE, max_total_tokens=256,
+                     hicache_ratio=8.0) as engine:
+        for prompts in (first, second):
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
+            assert [o["output_ids"] for o in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        engine.check_integrity()
+    with pytest.raises(ValueError, match="MLA"):
+        make_engine(folder, device="cuda", attention_backend="triton")
