@@ -26,7 +26,7 @@ from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.models.layers import RMSNorm, RotaryEmbedding, linear
 from hicache.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, make_mlp
 from hicache.runtime.models.moe import DeepseekMoeBlock
-from hicache.runtime.models.sharding import Index
+from hicache.runtime.models.sharding import Index, index, scaled, sharded_param
 from hicache.runtime.parallel import SINGLE, TensorParallel
 
 
@@ -40,31 +40,35 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class MLAttention(nn.Module):
     """Multi-head latent attention over one cached latent per token (see the module docstring).
-    Tensor parallelism is not supported (the latent would be whole on every rank, the heads split)."""
+    Under tensor parallelism each rank holds its heads' rows of q_b (or q) and kv_b and their
+    columns of o_proj, summed over the ranks; the latent's projections and norms are whole on
+    every rank, and so is the cached latent."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        if tp.sharded:
-            raise ValueError("DeepSeek-V2 (MLA) under tensor parallelism is not supported: use tp_size 1")
-        mla, h = config.mla, config.hidden_size
-        self.layer_id, self.mla, self.num_heads = layer_id, mla, config.num_heads
+        mla, h, full_heads = config.mla, config.hidden_size, config.num_heads
+        heads = tp.shard(full_heads, "num_heads")
+        self.layer_id, self.mla, self.tp, self.num_heads = layer_id, mla, tp, heads.stop - heads.start
+        kv_b_width = mla.qk_nope_head_dim + mla.v_head_dim
+        self.parts = {"q": index(tp, scaled(heads, mla.qk_head_dim)), "kv_b": index(tp, scaled(heads, kv_b_width)),
+                      "o": index(tp, slice(None), scaled(heads, mla.v_head_dim))}
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        def param(*shape: int, part: str | None = None) -> nn.Parameter:
+            return sharded_param(shape, self.parts[part] if part else (), dtype, device)
 
-        q_out = self.num_heads * mla.qk_head_dim
+        q_out = full_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = param(q_out, h)
+            self.q_proj = param(q_out, h, part="q")
             self.LINEARS = ("q_proj", "kv_a_proj", "o_proj")
         else:
-            self.q_a_proj, self.q_b_proj = param(mla.q_lora_rank, h), param(q_out, mla.q_lora_rank)
+            self.q_a_proj, self.q_b_proj = param(mla.q_lora_rank, h), param(q_out, mla.q_lora_rank, part="q")
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype, device)
             self.LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj")
         self.kv_a_proj = param(mla.latent_dim, h)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype, device)
-        self.kv_b_proj = param(self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
-        self.o_proj = param(h, self.num_heads * mla.v_head_dim)
+        self.kv_b_proj = param(full_heads * kv_b_width, mla.kv_lora_rank, part="kv_b")
+        self.o_proj = param(h, full_heads * mla.v_head_dim, part="o")
         self.packs: dict[str, Any] = {}
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,18 +94,19 @@ class MLAttention(nn.Module):
         cached = torch.cat([self.kv_a_layernorm(latent.contiguous()), k_pe], dim=-1)
         out = batch.attn.forward(q, cached, self.layer_id, batch)  # [T, H, kv_lora_rank]
         out = torch.einsum("thc,hvc->thv", out, w_v).reshape(T, self.num_heads * mla.v_head_dim)
-        return linear(out, self.o_proj, self.packs.get("o_proj"))
+        return self.tp.all_reduce(linear(out, self.o_proj, self.packs.get("o_proj")))
 
     def targets(self) -> dict[str, tuple[torch.Tensor, Index]]:
-        """`self_attn.<name>` -> (the parameter it fills, ())."""
-        table = {"kv_a_proj_with_mqa.weight": self.kv_a_proj, "kv_a_layernorm.weight": self.kv_a_layernorm.weight,
-                 "kv_b_proj.weight": self.kv_b_proj, "o_proj.weight": self.o_proj}
+        """`self_attn.<name>` -> (the parameter it fills, the part of the checkpoint tensor this
+        rank reads)."""
+        p = self.parts
+        table = {"kv_a_proj_with_mqa.weight": (self.kv_a_proj, ()),
+                 "kv_a_layernorm.weight": (self.kv_a_layernorm.weight, ()),
+                 "kv_b_proj.weight": (self.kv_b_proj, p["kv_b"]), "o_proj.weight": (self.o_proj, p["o"])}
         if self.mla.q_lora_rank is None:
-            table["q_proj.weight"] = self.q_proj
-        else:
-            table |= {"q_a_proj.weight": self.q_a_proj, "q_a_layernorm.weight": self.q_a_layernorm.weight,
-                      "q_b_proj.weight": self.q_b_proj}
-        return {name: (p, ()) for name, p in table.items()}
+            return table | {"q_proj.weight": (self.q_proj, p["q"])}
+        return table | {"q_a_proj.weight": (self.q_a_proj, ()), "q_a_layernorm.weight": (self.q_a_layernorm.weight, ()),
+                        "q_b_proj.weight": (self.q_b_proj, p["q"])}
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
@@ -128,4 +133,4 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config)
-        self.num_heads, self.num_kv_heads = config.num_heads, config.cache_heads
+        self.num_heads, self.num_kv_heads = self.layers[0].self_attn.num_heads, config.cache_heads

@@ -22,12 +22,14 @@ from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.models import get_model_class
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.tokenizer import load_tokenizer
 from hicache.runtime.weights import load_model
 from hicache.runtime.weights.gguf import GGUFCheckpoint
 from hicache.tiers.gpu.pool import DeviceKVPool
+from tp_procs import run_ranks
 
 VOCAB = 49152  # the default model's tokenizer
 PAGE = 4
@@ -223,20 +225,6 @@ def _l3_scheduler(folder: Path, lmdb: Path):
     return build_scheduler(rc, cc)
 
 
-def _run(sched, rid: str, ids: list[int]) -> tuple[list[int], dict]:
-    params = SamplingParams.from_dict(greedy(NEW_TOKENS), vocab_size=VOCAB)
-    sched.add_request(GenerateRequest(rid, ids, params))
-    out, meta = [], None
-    for _ in range(2000):
-        if not sched.has_requests():
-            return out, meta
-        for o in sched.step():
-            out += o.new_token_ids
-            meta = o.meta
-        sched.check_integrity()
-    raise AssertionError("the request did not finish")
-
-
 def _settle(sched) -> None:
     for _ in range(500):
         if not sched.cache.storage.busy():
@@ -253,15 +241,83 @@ def test_l3_round_trip_of_latent_pages(tiny, tmp_path):
     prompt = _prompts(5, (40,))[0]
     want = hf_greedy(hf, prompt, NEW_TOKENS)
     first = _l3_scheduler(folder, tmp_path)
-    assert _run(first, "a", prompt)[0] == want
+    assert _run_together(first, "a", [prompt])[0][0] == want
     _settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 40 // PAGE * PAGE
     first.close()
     second = _l3_scheduler(folder, tmp_path)
-    out, meta = _run(second, "b", prompt)
+    out, meta = _run_together(second, "b", [prompt])[0]
     second.close()
     assert out == want
     assert meta["cached_tokens_details"]["storage"] >= 36, meta
+
+
+def rank_logits(tp: TensorParallel, folder: str) -> torch.Tensor:
+    """This rank's full-vocabulary logits of an extend of two prompts, then a decode step of
+    each, through its own latent pool. Runs in every rank process (tests/tp_procs.py)."""
+    model = load_model(folder, tp=tp).model
+    cfg = model.config
+    pool = DeviceKVPool(64, 1, cfg.num_layers, model.num_kv_heads, cfg.cache_head_dim, torch.float32, "cpu")
+    attn = LatentAttention(cfg.mla.kv_lora_rank, cfg.attn_scale)
+    prompts = _prompts(7, (9, 6))
+    lens = [len(p) for p in prompts]
+    slots = [torch.arange(32 * i, 32 * i + n + 1) for i, n in enumerate(lens)]
+    extend = ForwardBatch("extend", attn, pool, torch.cat([s[:n] for s, n in zip(slots, lens)]), lens,
+                          [s[:n] for s, n in zip(slots, lens)])
+    ids, pos = torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(n) for n in lens])
+    first = model.compute_logits(model(ids, pos, extend))
+    table = torch.stack([torch.cat([s, s.new_zeros(max(lens) + 1 - len(s))]) for s in slots])
+    decode = ForwardBatch("decode", attn, pool, torch.stack([s[n] for s, n in zip(slots, lens)]), [1, 1], slots,
+                          slot_table=table, seq_lens=torch.tensor([n + 1 for n in lens]))
+    return torch.cat([first, model.compute_logits(model(torch.tensor([77, 123]), torch.tensor(lens), decode))])
+
+
+def test_two_ranks_match_one(tiny, tmp_path):
+    """Heads split over two gloo ranks (q_b, kv_b rows, o_proj columns), the latent whole on each,
+    experts' and the dense MLP's intermediate dimension split: every rank's logits are the
+    unsharded model's."""
+    _, folder = tiny
+    want = rank_logits(SINGLE, str(folder))
+    for rank, got in enumerate(run_ranks(rank_logits, 2, tmp_path, str(folder))):
+        assert (got - want).abs().max().item() < LOGIT_TOL, rank
+
+
+def test_tp2_overlapped_scheduler_matches_hf(tiny):
+    """Two gloo ranks under the overlapped scheduler, each with its latent pools: HF's greedy
+    outputs through chunked prefill, a retraction, then radix hits loaded back from L2."""
+    hf, folder = tiny
+    first = _prompts(8, (37, 22, 45, 30))
+    second = [p + t for p, t in zip(first, _prompts(9, (5, 3, 6, 4)))]
+    rc = RuntimeConfig(model_path=str(folder), max_total_tokens=(sum(-(-len(p) // PAGE) for p in first) + 5) * PAGE,
+                       max_running_requests=4, chunked_prefill_size=16, overlap_schedule=True, tp_size=2,
+                       schedule_conservativeness=0)
+    sched = build_scheduler(rc, HiCacheConfig(page_size=PAGE, hicache_ratio=8.0, hicache_storage_backend="none",
+                                              hicache_load_decision="always"))
+    try:
+        for tag, prompts in (("a", first), ("b", second)):
+            outs = _run_together(sched, tag, prompts)
+            assert [o for o, _ in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        stats = sched.stats()
+    finally:
+        sched.close()
+    assert stats["retractions"] > 0 and stats["tiers"]["host"]["loaded_back_tokens"] > 0, stats
+    assert all(m["cached_tokens"] > 0 for _, m in outs)
+
+
+def _run_together(sched, tag: str, prompts: list[list[int]]) -> list[tuple[list[int], dict]]:
+    params = SamplingParams.from_dict(greedy(NEW_TOKENS), vocab_size=VOCAB)
+    for i, p in enumerate(prompts):
+        sched.add_request(GenerateRequest(f"{tag}{i}", p, params))
+    out: dict[str, list] = {}
+    for _ in range(5000):
+        if not sched.has_requests():
+            return [(out[f"{tag}{i}"][0], out[f"{tag}{i}"][1]) for i in range(len(prompts))]
+        for o in sched.step():
+            rec = out.setdefault(o.rid, [[], None])
+            rec[0] += o.new_token_ids
+            rec[1] = o.meta
+        sched.check_integrity()
+    raise AssertionError("the requests did not finish")
 
 
 def test_deepseek_config_refusals():
