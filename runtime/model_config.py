@@ -39,7 +39,9 @@ FAMILIES = {
     "MixtralForCausalLM": Family("mixtral", False, False, True),
     "Gemma3ForCausalLM": Family("gemma3_text", False, True, False),  # and its own blocks: models/gemma3.py
     "DeepseekV2ForCausalLM": Family("deepseek_v2", False, False, True),  # MLA and its MoE: models/deepseek.py
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", False, False, True),  # V2's, with V3's routing
 }
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
 # "freq_factors": llama.cpp's per-dimension divisors of inv_freq (GGUF tensor rope_freqs.weight),
@@ -63,6 +65,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # DeepSeek: the top-k weights are multiplied by it
     num_groups: int = 1  # DeepSeek's group-limited routing: experts in `num_groups` groups, the top k
     topk_groups: int = 1  # chosen among the experts of the `topk_groups` groups of highest best score
+    routing: str = "softmax"  # or DeepSeek-V3's "noaux_tc": sigmoid scores, chosen with a correction bias
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -75,7 +78,8 @@ class MoEConfig:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
 
 
-_MOE_DEFAULTS = {"routed_scaling_factor": 1.0, "num_groups": 1, "topk_groups": 1}  # left out of fingerprints
+# MoEConfig fields left out of fingerprints at these values
+_MOE_DEFAULTS = {"routed_scaling_factor": 1.0, "num_groups": 1, "topk_groups": 1, "routing": "softmax"}
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ class ModelConfig:
         if arch == "Gemma3ForCausalLM":
             d = {**_GEMMA3_DEFAULTS, **d}
         extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _window_fields(d)
-        if arch == "DeepseekV2ForCausalLM":
+        if arch in _DEEPSEEK:
             extra = _deepseek_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
@@ -231,7 +235,7 @@ class ModelConfig:
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
             qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
             qk_norm=family.qk_norm,
-            moe=(_deepseek_moe(d) if arch == "DeepseekV2ForCausalLM" else _moe(d)) if family.moe else None,
+            moe=(_deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d)) if family.moe else None,
             **extra,
         )
 
@@ -247,7 +251,7 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
-        if self.architecture in ("Gemma3ForCausalLM", "DeepseekV2ForCausalLM") or self.sliding_window is not None:
+        if self.architecture in ("Gemma3ForCausalLM", *_DEEPSEEK) or self.sliding_window is not None:
             raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
@@ -297,13 +301,29 @@ def _check_supported(d: dict, arch: str, family: Family) -> None:
         raise ValueError(f"{arch} with bidirectional attention or attention logit softcapping is not supported")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 is not supported")
+    if arch in _DEEPSEEK and d.get("quantization_config"):  # V3's published weights are FP8 blocks
+        raise ValueError(f"{arch} with quantization_config {d['quantization_config'].get('quant_method')!r} is not "
+                         "supported: convert the weights to bf16 first")
     if arch == "DeepseekV2ForCausalLM":
-        _check_deepseek(d)
+        _check_deepseek_v2(d)
+    elif arch == "DeepseekV3ForCausalLM":
+        _check_deepseek_v3(d)
     elif _declared_rope_type(d) == "yarn":
-        raise ValueError(f"rope type 'yarn' is supported for DeepSeek-V2 only, not {arch}")
+        raise ValueError(f"rope type 'yarn' is supported for DeepSeek-V2/V3 only, not {arch}")
 
 
-def _check_deepseek(d: dict) -> None:
+def _check_deepseek_v3(d: dict) -> None:
+    """V3's routing is always noaux_tc (sigmoid scores, a correction bias, groups by their top two)."""
+    if (d.get("scoring_func") or "sigmoid") != "sigmoid" or (d.get("topk_method") or "noaux_tc") != "noaux_tc":
+        raise ValueError("DeepSeek-V3 routes by noaux_tc with sigmoid scores only, got topk_method "
+                         f"{d.get('topk_method')!r}, scoring_func {d.get('scoring_func')!r}")
+    if d.get("rope_interleave") is False:
+        raise ValueError("DeepSeek-V3 with rope_interleave false is not supported")
+    if int(d.get("moe_layer_freq") or 1) != 1:
+        raise ValueError("DeepSeek-V3 with moe_layer_freq != 1 is not supported")
+
+
+def _check_deepseek_v2(d: dict) -> None:
     method = d.get("topk_method") or "greedy"
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
@@ -383,13 +403,16 @@ def _deepseek_fields(d: dict) -> dict:
     return {"mla": mla, "head_dim": mla.qk_rope_head_dim}
 
 
-def _deepseek_moe(d: dict) -> MoEConfig:
+def _deepseek_moe(d: dict, arch: str) -> MoEConfig:
     """Routed experts after the first `first_k_dense_replace` dense layers, `n_shared_experts`
-    ungated shared experts (one MLP of their summed width), group-limited routing and scaling."""
+    ungated shared experts (one MLP of their summed width), group-limited routing and scaling;
+    V3's routing by noaux_tc, its top-k weights renormalised when `norm_topk_prob`."""
     experts, inter = int(d.get("n_routed_experts") or d["num_experts"]), int(d["moe_intermediate_size"])
-    grouped = (d.get("topk_method") or "greedy") == "group_limited_greedy"
+    v3 = arch == "DeepseekV3ForCausalLM"
+    grouped = v3 or (d.get("topk_method") or "greedy") == "group_limited_greedy"
     return MoEConfig(
-        num_experts=experts, top_k=int(d["num_experts_per_tok"]), intermediate_size=inter, norm_topk_prob=False,
+        num_experts=experts, top_k=int(d["num_experts_per_tok"]), intermediate_size=inter,
+        norm_topk_prob=v3 and bool(d.get("norm_topk_prob", True)), routing="noaux_tc" if v3 else "softmax",
         shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
         dense_layers=tuple(range(int(d.get("first_k_dense_replace") or 0))),
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),

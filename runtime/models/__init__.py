@@ -10,6 +10,7 @@ from hicache.runtime.models.llama import LlamaForCausalLM
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 MODEL_REGISTRY["Gemma3ForCausalLM"] = Gemma3ForCausalLM  # its own blocks around the shared attention
 MODEL_REGISTRY["DeepseekV2ForCausalLM"] = DeepseekV2ForCausalLM  # latent attention, its own MoE
+MODEL_REGISTRY["DeepseekV3ForCausalLM"] = DeepseekV2ForCausalLM  # the same blocks, V3's routing (MoEConfig)
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 decoder (HF DeepseekV2ForCausalLM), built from llama.py's pieces.
+"""DeepSeek-V2 and V3 decoder (HF DeepseekV2ForCausalLM, DeepseekV3ForCausalLM), built from
+llama.py's pieces; V3 differs by its routing only (`MoEConfig.routing`).
 
 What differs from Llama: multi-head latent attention (`MLAttention`): q through a low-rank
 projection with an RMSNorm (`q_lora_rank`; V2-Lite projects q directly), one latent per token

@@ -85,6 +85,7 @@ _ARCH_LAYER_NAMES["deepseek2"] = {
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3's
 }
 _KV_B_PARTS = ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
@@ -223,12 +224,15 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
 
 
 def _deepseek2_keys(get) -> dict:
-    """DeepSeek-V2's MLA and MoE keys, from llama.cpp's (its MQA view: key_length is the latent's,
-    key_length_mla a head's; older files have no *_mla keys and per-head key/value lengths)."""
+    """DeepSeek's MLA and MoE keys, from llama.cpp's (its MQA view: key_length is the latent's,
+    key_length_mla a head's; older files have no *_mla keys and per-head key/value lengths). A
+    file with sigmoid expert gating is DeepSeek-V3 (noaux_tc routing)."""
     rope = get("rope.dimension_count")
     mla = get("attention.key_length_mla") is not None
     groups = get("expert_group_count", 1)
-    return {"q_lora_rank": get("attention.q_lora_rank") or None, "kv_lora_rank": get("attention.kv_lora_rank"),
+    scoring = _GATING_FUNCS.get(get("expert_gating_func", 1), "unknown")
+    v3 = scoring == "sigmoid"
+    keys = {"q_lora_rank": get("attention.q_lora_rank") or None, "kv_lora_rank": get("attention.kv_lora_rank"),
             "qk_rope_head_dim": rope,
             "qk_nope_head_dim": get("attention.key_length_mla" if mla else "attention.key_length") - rope,
             "v_head_dim": get("attention.value_length_mla" if mla else "attention.value_length"),
@@ -238,10 +242,10 @@ def _deepseek2_keys(get) -> dict:
             "n_shared_experts": get("expert_shared_count", 0),
             "first_k_dense_replace": get("leading_dense_block_count", 0),
             "routed_scaling_factor": get("expert_weights_scale", 1.0),
-            "norm_topk_prob": bool(get("expert_weights_norm", False)),
-            "scoring_func": _GATING_FUNCS.get(get("expert_gating_func", 1), "unknown"),
-            "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+            "norm_topk_prob": bool(get("expert_weights_norm", False)), "scoring_func": scoring,
+            "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
             "n_group": groups, "topk_group": get("expert_group_used_count", 1)}
+    return keys | ({"architectures": ["DeepseekV3ForCausalLM"]} if v3 else {})
 
 
 def _moe_keys(arch: str, get, tensor_names: set[str]) -> dict:

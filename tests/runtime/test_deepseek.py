@@ -42,19 +42,29 @@ _BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
          "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
-VARIANTS = {"v2": {}, "v2_lite": {"q_lora_rank": None}, "yarn": {"rope_parameters": _YARN}}
+VARIANTS = {"v2": {}, "v2_lite": {"q_lora_rank": None}, "yarn": {"rope_parameters": _YARN}, "v3": {"v3": True},
+            "v3_lite": {"v3": True, "q_lora_rank": None, "norm_topk_prob": False}}
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim
 
 
-def hf_deepseek(seed: int = 0, **options) -> torch.nn.Module:
+def hf_deepseek(seed: int = 0, v3: bool = False, **options) -> torch.nn.Module:
+    """HF's DeepSeek-V2, or with `v3` DeepSeek-V3 (its noaux_tc routing, renormalised top-k and a
+    random correction bias), random weights."""
     import transformers
 
-    config = transformers.DeepseekV2Config(**{**_BASE, **options})
+    if v3:
+        base = {k: v for k, v in _BASE.items() if k != "topk_method"} | {"norm_topk_prob": True}
+        config = transformers.DeepseekV3Config(**{**base, **options})
+    else:
+        config = transformers.DeepseekV2Config(**{**_BASE, **options})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return model
 
 
@@ -69,6 +79,12 @@ def tiny(tmp_path_factory, tokenizer) -> tuple[torch.nn.Module, Path]:
     return model, save_folder(model, tmp_path_factory.mktemp("deepseek_v2"), tokenizer)
 
 
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory, tokenizer) -> tuple[torch.nn.Module, Path]:
+    model = hf_deepseek(v3=True)
+    return model, save_folder(model, tmp_path_factory.mktemp("deepseek_v3"), tokenizer)
+
+
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
@@ -81,7 +97,7 @@ def test_folder_logits_match_hf_with_cached_prefix(variant, tmp_path, tokenizer)
     hf = hf_deepseek(**VARIANTS[variant])
     loaded = load_model(save_folder(hf, tmp_path, tokenizer))
     model, cfg = loaded.model, loaded.config
-    assert cfg.architecture == "DeepseekV2ForCausalLM" and cfg.moe.dense_layers == (0,)
+    assert cfg.architecture == type(hf).__name__ and cfg.moe.dense_layers == (0,)
     ids = _prompts(1, (72,))[0]
     pool = DeviceKVPool(256, 1, cfg.num_layers, cfg.cache_heads, cfg.cache_head_dim, torch.float32, "cpu")
     attn = LatentAttention(cfg.mla.kv_lora_rank, cfg.attn_scale)
@@ -107,7 +123,8 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.
                "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
                "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp",
                "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
-               "mlp.shared_experts.down_proj.weight": "ffn_down_shexp"}
+               "mlp.shared_experts.down_proj.weight": "ffn_down_shexp", "mlp.gate.e_score_correction_bias":
+               "exp_probs_b.bias"}
 
 
 def _gguf_layer_tensors(rest: str, t: torch.Tensor, c):
@@ -115,23 +132,26 @@ def _gguf_layer_tensors(rest: str, t: torch.Tensor, c):
     if rest == "self_attn.kv_b_proj.weight":
         kv_b = t.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
         k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
-        yield "attn_k_b", k_b.transpose(1, 2)
-        yield "attn_v_b", v_b
+        yield "attn_k_b.weight", k_b.transpose(1, 2)
+        yield "attn_v_b.weight", v_b
     elif rest == "mlp.experts.gate_up_proj":
         gate, up = t.chunk(2, dim=1)
-        yield "ffn_gate_exps", gate
-        yield "ffn_up_exps", up
+        yield "ffn_gate_exps.weight", gate
+        yield "ffn_up_exps.weight", up
     else:
-        yield _GGUF_LAYER[rest], t
+        name = _GGUF_LAYER[rest]
+        yield name if name.endswith(".bias") else name + ".weight", t
 
 
 def write_deepseek2_gguf(model: torch.nn.Module, path: Path) -> Path:
     """model as an fp32 `deepseek2` GGUF laid out as llama.cpp's converter writes it (MLA as MQA
-    over the latent: head_count_kv 1, key_length the latent's, key_length_mla a head's)."""
+    over the latent: head_count_kv 1, key_length the latent's, key_length_mla a head's; V3's
+    sigmoid gating and correction bias)."""
     import gguf
     import numpy as np
 
     c, arch = model.config, "deepseek2"
+    v3 = c.model_type == "deepseek_v3"
     w = gguf.GGUFWriter(str(path), arch)
     ints = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
             "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
@@ -142,7 +162,7 @@ def write_deepseek2_gguf(model: torch.nn.Module, path: Path) -> Path:
             "vocab_size": c.vocab_size, "leading_dense_block_count": c.first_k_dense_replace,
             "expert_feed_forward_length": c.moe_intermediate_size, "expert_count": c.n_routed_experts,
             "expert_used_count": c.num_experts_per_tok, "expert_shared_count": c.n_shared_experts,
-            "expert_gating_func": 1, "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group}
+            "expert_gating_func": 2 if v3 else 1, "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group}
     if c.q_lora_rank:
         ints["attention.q_lora_rank"] = c.q_lora_rank
     for key, value in ints.items():
@@ -150,11 +170,11 @@ def write_deepseek2_gguf(model: torch.nn.Module, path: Path) -> Path:
     w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     w.add_float32(f"{arch}.expert_weights_scale", c.routed_scaling_factor)
-    w.add_bool(f"{arch}.expert_weights_norm", False)
+    w.add_bool(f"{arch}.expert_weights_norm", bool(v3 and c.norm_topk_prob))
     for name, t in model.state_dict().items():
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers."):].split(".", 1)
-            pairs = [(f"blk.{i}.{g}.weight", gt) for g, gt in _gguf_layer_tensors(rest, t, c)]
+            pairs = [(f"blk.{i}.{g}", gt) for g, gt in _gguf_layer_tensors(rest, t, c)]
         else:
             pairs = [({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                        "lm_head.weight": "output.weight"}[name], t)]
@@ -167,12 +187,13 @@ def write_deepseek2_gguf(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("variant", ["v2", "v2_lite"])
+@pytest.mark.parametrize("variant", ["v2", "v2_lite", "v3"])
 def test_gguf_logits_match_hf(variant, tmp_path):
     hf = hf_deepseek(**VARIANTS[variant])
     ckpt = GGUFCheckpoint(write_deepseek2_gguf(hf, tmp_path / "tiny.gguf"))
-    assert ckpt.config.mla == ModelConfig.from_hf_config(hf.config.to_dict()).mla
-    assert ckpt.config.moe.num_groups == 4 and ckpt.config.moe.routed_scaling_factor == 2.0
+    assert ckpt.config.architecture == type(hf).__name__
+    from_hf = ModelConfig.from_hf_config(hf.config.to_dict())
+    assert (ckpt.config.mla, ckpt.config.moe) == (from_hf.mla, from_hf.moe)
     model = get_model_class(ckpt.config.architecture)(ckpt.config)
     model.check_loaded(model.load_weights(ckpt.tensors()))
     ids = _prompts(2, (24,))[0]
@@ -197,11 +218,12 @@ def test_latent_pool_bytes_per_token(tiny):
     assert per_head / (2 * LATENT * 4) == 4.0
 
 
-def test_engine_greedy_matches_hf(tiny):
+@pytest.mark.parametrize("family", ["tiny", "tiny_v3"])
+def test_engine_greedy_matches_hf(family, request):
     """Round 1: four prompts at once, prefill in chunks of 16, a pool that forces a retraction.
     Round 2: the same prompts plus a new tail, their prefixes from the radix cache, most of them
-    loaded back from L2 (the small pool evicted them)."""
-    hf, folder = tiny
+    loaded back from L2 (the small pool evicted them). DeepSeek-V2 and V3."""
+    hf, folder = request.getfixturevalue(family)
     first = _prompts(3, (37, 22, 45, 30))
     second = [p + t for p, t in zip(first, _prompts(4, (5, 3, 6, 4)))]
     pool = (sum(-(-len(p) // PAGE) for p in first) + len(first) + 1) * PAGE
@@ -329,6 +351,12 @@ def test_deepseek_config_refusals():
         ModelConfig.from_hf_config({**d, "norm_topk_prob": True})
     with pytest.raises(ValueError, match="topk_method"):
         ModelConfig.from_hf_config({**d, "topk_method": "noaux_tc"})
+    v3 = {**d, "architectures": ["DeepseekV3ForCausalLM"], "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    assert ModelConfig.from_hf_config(v3).moe.routing == "noaux_tc"
+    with pytest.raises(ValueError, match="quantization_config 'fp8'"):
+        ModelConfig.from_hf_config({**v3, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="rope_interleave"):
+        ModelConfig.from_hf_config({**v3, "rope_interleave": False})
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
                                     "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 8,
