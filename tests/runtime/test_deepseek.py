@@ -197,13 +197,30 @@ def test_gguf_logits_match_hf(variant, tmp_path):
     model = get_model_class(ckpt.config.architecture)(ckpt.config)
     model.check_loaded(model.load_weights(ckpt.tensors()))
     ids = _prompts(2, (24,))[0]
-    pool = DeviceKVPool(64, 1, 2, 1, LATENT // 2, torch.float32, "cpu")
-    batch = ForwardBatch("extend", LatentAttention(32, ckpt.config.attn_scale), pool, torch.arange(24), [24],
-                         [torch.arange(24)])
-    ours = model.compute_logits(model(torch.tensor(ids), torch.arange(24), batch))
+    ours = _latent_logits(model, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < LOGIT_TOL
+
+
+def _latent_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of a prompt through a fresh latent pool."""
+    cfg, n = model.config, len(ids)
+    pool = DeviceKVPool(64, 1, cfg.num_layers, cfg.cache_heads, cfg.cache_head_dim, torch.float32, "cpu")
+    batch = ForwardBatch("extend", LatentAttention(cfg.mla.kv_lora_rank, cfg.attn_scale), pool, torch.arange(n), [n],
+                         [torch.arange(n)])
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(n), batch))
+
+
+def test_dummy_weights_from_the_config(tiny_v3, tmp_path):
+    """load_format=dummy on a V3 config.json: every parameter filled (the correction bias random,
+    norms 1), finite logits."""
+    (tmp_path / "config.json").write_text((tiny_v3[1] / "config.json").read_text())
+    loaded = load_model(tmp_path / "config.json", load_format="dummy", seed=3)
+    for name, p in loaded.model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        assert bool((p == 1).all()) == ("norm" in name), name
+    assert torch.isfinite(_latent_logits(loaded.model, [5, 6, 7])).all()
 
 
 def test_latent_pool_bytes_per_token(tiny):
