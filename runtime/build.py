@@ -11,7 +11,7 @@ from hicache.config import HiCacheConfig, StorageOptions
 from hicache.manager import CacheManager, StorageSetup
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
-from hicache.runtime.attention import AttentionBackend, make_attention
+from hicache.runtime.attention import AttentionBackend, make_attention, make_latent_attention
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.parallel import SINGLE, TensorParallel
@@ -92,7 +92,7 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     # with an L2 a running request keeps every window part it computed: its context fits the windowed pool
     held = window_tokens if window_tokens and cc.hierarchical else num_tokens
     context = served_context(rc.context_length or cfg.max_position_embeddings, min(num_tokens, held))
-    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.head_dim, dtype, device,
+    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.cache_head_dim, dtype, device,
                         frozenset(windows), max(windows.values(), default=0), window_tokens)
     pages_per_req = -(-context // cc.page_size)
     req_table = table_class(rc.max_running_requests, pages_per_req * cc.page_size, device)
@@ -103,8 +103,10 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     cpu_kernels = device.type == "cpu" and not rc.disable_cpu_kernels
     if cpu_kernels and hasattr(loaded.model, "use_cpu_kernels"):
         loaded.model.use_cpu_kernels(quantized=not rc.disable_cpu_quantized_linears)
-    attn = make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
-                          cfg.attn_scale, cfg.layer_windows, cpu_kernels)
+    attn = make_latent_attention(rc.attention_backend, rc.decode_attention_backend, cfg.mla.kv_lora_rank,
+                                 cfg.attn_scale) if cfg.mla is not None else make_attention(
+        rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim, cfg.attn_scale,
+        cfg.layer_windows, cpu_kernels)
     return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context)
 
 
@@ -164,7 +166,7 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
     """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM),
     of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
-    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype,
+    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.cache_head_dim, dtype,
                       cc.hicache_mem_layout, shared=cc.storage_process)
     logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
@@ -222,7 +224,7 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
         return rc.max_total_tokens // page_size * page_size
     windowed = sum(1 for w in cfg.layer_windows if w) if window_ratio else 0
     layers = cfg.num_layers - windowed + window_ratio * windowed
-    per_token = DeviceKVPool.token_bytes(1, kv_heads, cfg.head_dim, dtype) * layers
+    per_token = DeviceKVPool.token_bytes(1, kv_heads, cfg.cache_head_dim, dtype) * layers
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)

@@ -1,6 +1,6 @@
 """`ModelConfig`: the architecture of a decoder we run: the Llama family (Llama, Mistral, Qwen2/2.5,
-Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral) and Gemma 3 text, read from an HF
-config.json dict.
+Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral), Gemma 3 text and DeepSeek-V2
+(multi-head latent attention, `MLAConfig`), read from an HF config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
 5.x (`rope_parameters`) spellings. What sets the families apart is a few options: biases on the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -37,12 +38,15 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": Family("qwen3_moe", False, True, True),
     "MixtralForCausalLM": Family("mixtral", False, False, True),
     "Gemma3ForCausalLM": Family("gemma3_text", False, True, False),  # and its own blocks: models/gemma3.py
+    "DeepseekV2ForCausalLM": Family("deepseek_v2", False, False, True),  # MLA and its MoE: models/deepseek.py
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", False, False, True),  # V2's, with V3's routing
 }
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {f.model_type: arch for arch, f in FAMILIES.items()}
 # "freq_factors": llama.cpp's per-dimension divisors of inv_freq (GGUF tensor rope_freqs.weight),
 # which is how a Llama-3.1 GGUF carries its llama3 scaling.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")  # yarn: DeepSeek only
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -58,13 +62,49 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     sparse_step: int = 1  # layer i is sparse when (i + 1) % sparse_step == 0 ...
     dense_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    routed_scaling_factor: float = 1.0  # DeepSeek: the top-k weights are multiplied by it
+    num_groups: int = 1  # DeepSeek's group-limited routing: experts in `num_groups` groups, the top k
+    topk_groups: int = 1  # chosen among the experts of the `topk_groups` groups of highest best score
+    routing: str = "softmax"  # or DeepSeek-V3's "noaux_tc": sigmoid scores, chosen with a correction bias
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must divide the experts ({self.num_experts}) and "
+                             f"topk_group ({self.topk_groups}) be in 1..n_group")
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+# MoEConfig fields left out of fingerprints at these values
+_MOE_DEFAULTS = {"routed_scaling_factor": 1.0, "num_groups": 1, "topk_groups": 1, "routing": "softmax"}
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2): q through a low-rank projection (`q_lora_rank`,
+    or none), K and V of every head up-projected from one latent per token (`kv_lora_rank` values)
+    plus one RoPE key shared by the heads (`qk_rope_head_dim`). The KV cache holds the latent and
+    the rotated key: `latent_dim` values per token per layer."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.latent_dim % 2:
+            raise ValueError(f"kv_lora_rank + qk_rope_head_dim must be even, got {self.latent_dim}")
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -94,6 +134,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # then head_dim is the RoPE part of a head (qk_rope_head_dim)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -112,9 +153,11 @@ class ModelConfig:
         d = asdict(self)
         d.pop("bos_token_id")
         d.pop("eos_token_ids")
-        for option in ("qkv_bias", "qk_norm", "moe"):
+        for option in ("qkv_bias", "qk_norm", "moe", "mla"):
             if not d[option]:
                 d.pop(option)
+        if "moe" in d:
+            d["moe"] = {k: v for k, v in d["moe"].items() if k not in _MOE_DEFAULTS or v != _MOE_DEFAULTS[k]}
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -128,7 +171,23 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
+        """Of q.k: 1/sqrt(head dim); DeepSeek's with YaRN's mscale(factor, mscale_all_dim) squared."""
+        if self.mla is not None:
+            s = self.rope_scaling or {}
+            mscale = yarn_mscale(float(s["factor"]), float(s.get("mscale_all_dim") or 0)) if s else 1.0
+            return self.mla.qk_head_dim ** -0.5 * mscale * mscale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def cache_heads(self) -> int:
+        """KV heads of one token in the L1 pool: `num_kv_heads`, or 1 for a latent (MLA)."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The width of the pool's K and of its V: head_dim, or for MLA half the latent (the pool's K
+        holds the first half of each token's latent, its V the second: `attention/latent.py`)."""
+        return self.mla.latent_dim // 2 if self.mla is not None else self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -151,6 +210,8 @@ class ModelConfig:
         if arch == "Gemma3ForCausalLM":
             d = {**_GEMMA3_DEFAULTS, **d}
         extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _window_fields(d)
+        if arch in _DEEPSEEK:
+            extra = _deepseek_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
@@ -162,7 +223,7 @@ class ModelConfig:
             num_layers=int(d["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
+            head_dim=int(extra.pop("head_dim", None) or d.get("head_dim") or d["hidden_size"] // num_heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -174,7 +235,7 @@ class ModelConfig:
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
             qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
             qk_norm=family.qk_norm,
-            moe=_moe(d) if family.moe else None,
+            moe=(_deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d)) if family.moe else None,
             **extra,
         )
 
@@ -190,7 +251,7 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
-        if self.architecture == "Gemma3ForCausalLM" or self.sliding_window is not None:
+        if self.architecture in ("Gemma3ForCausalLM", *_DEEPSEEK) or self.sliding_window is not None:
             raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
@@ -240,6 +301,38 @@ def _check_supported(d: dict, arch: str, family: Family) -> None:
         raise ValueError(f"{arch} with bidirectional attention or attention logit softcapping is not supported")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError("pretraining_tp > 1 is not supported")
+    if arch in _DEEPSEEK and d.get("quantization_config"):  # V3's published weights are FP8 blocks
+        raise ValueError(f"{arch} with quantization_config {d['quantization_config'].get('quant_method')!r} is not "
+                         "supported: convert the weights to bf16 first")
+    if arch == "DeepseekV2ForCausalLM":
+        _check_deepseek_v2(d)
+    elif arch == "DeepseekV3ForCausalLM":
+        _check_deepseek_v3(d)
+    elif _declared_rope_type(d) == "yarn":
+        raise ValueError(f"rope type 'yarn' is supported for DeepSeek-V2/V3 only, not {arch}")
+
+
+def _check_deepseek_v3(d: dict) -> None:
+    """V3's routing is always noaux_tc (sigmoid scores, a correction bias, groups by their top two)."""
+    if (d.get("scoring_func") or "sigmoid") != "sigmoid" or (d.get("topk_method") or "noaux_tc") != "noaux_tc":
+        raise ValueError("DeepSeek-V3 routes by noaux_tc with sigmoid scores only, got topk_method "
+                         f"{d.get('topk_method')!r}, scoring_func {d.get('scoring_func')!r}")
+    if d.get("rope_interleave") is False:
+        raise ValueError("DeepSeek-V3 with rope_interleave false is not supported")
+    if int(d.get("moe_layer_freq") or 1) != 1:
+        raise ValueError("DeepSeek-V3 with moe_layer_freq != 1 is not supported")
+
+
+def _check_deepseek_v2(d: dict) -> None:
+    method = d.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    if (d.get("scoring_func") or "softmax") != "softmax":
+        raise ValueError(f"DeepSeek-V2 scoring_func {d['scoring_func']!r} is not supported (only softmax)")
+    if d.get("norm_topk_prob"):  # transformers' DeepseekV2 ignores it, DeepSeek's own code renormalises
+        raise ValueError("DeepSeek-V2 with norm_topk_prob is not supported")
+    if int(d.get("moe_layer_freq") or 1) != 1:
+        raise ValueError("DeepSeek-V2 with moe_layer_freq != 1 is not supported")
 
 
 def _activation(d: dict, arch: str) -> tuple[str, str]:
@@ -302,6 +395,35 @@ def _moe(d: dict) -> MoEConfig:
     )
 
 
+def _deepseek_fields(d: dict) -> dict:
+    """DeepSeek-V2's attention: MLA, heads of qk_rope_head_dim for RoPE."""
+    q_rank = d.get("q_lora_rank")
+    mla = MLAConfig(None if q_rank is None else int(q_rank), int(d["kv_lora_rank"]), int(d["qk_nope_head_dim"]),
+                    int(d["qk_rope_head_dim"]), int(d["v_head_dim"]))
+    return {"mla": mla, "head_dim": mla.qk_rope_head_dim}
+
+
+def _deepseek_moe(d: dict, arch: str) -> MoEConfig:
+    """Routed experts after the first `first_k_dense_replace` dense layers, `n_shared_experts`
+    ungated shared experts (one MLP of their summed width), group-limited routing and scaling;
+    V3's routing by noaux_tc, its top-k weights renormalised when `norm_topk_prob`."""
+    experts, inter = int(d.get("n_routed_experts") or d["num_experts"]), int(d["moe_intermediate_size"])
+    v3 = arch == "DeepseekV3ForCausalLM"
+    grouped = v3 or (d.get("topk_method") or "greedy") == "group_limited_greedy"
+    return MoEConfig(
+        num_experts=experts, top_k=int(d["num_experts_per_tok"]), intermediate_size=inter,
+        norm_topk_prob=v3 and bool(d.get("norm_topk_prob", True)), routing="noaux_tc" if v3 else "softmax",
+        shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(int(d.get("first_k_dense_replace") or 0))),
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        num_groups=int(d.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(d.get("topk_group") or 1) if grouped else 1)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _moe_hf_keys(cfg: ModelConfig) -> dict:
     m = cfg.moe
     if m is None:
@@ -312,6 +434,11 @@ def _moe_hf_keys(cfg: ModelConfig) -> dict:
     return {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.intermediate_size,
             "norm_topk_prob": m.norm_topk_prob, "shared_expert_intermediate_size": m.shared_intermediate_size,
             "decoder_sparse_step": m.sparse_step, "mlp_only_layers": list(m.dense_layers)}
+
+
+def _declared_rope_type(d: dict) -> str:
+    merged = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+    return merged.get("rope_type") or merged.get("type") or "default"
 
 
 def _rope(d: dict) -> tuple[float, dict | None]:
@@ -332,4 +459,10 @@ def _rope(d: dict) -> tuple[float, dict | None]:
             raise ValueError(f"llama3 rope_scaling lacks {missing}")
     if rope_type == "linear" and "factor" not in merged:
         raise ValueError("linear rope_scaling lacks 'factor'")
+    if rope_type == "yarn":
+        if "original_max_position_embeddings" not in merged:
+            raise ValueError("yarn rope_scaling lacks 'original_max_position_embeddings'")
+        if merged.get("factor") is None:
+            old = merged["original_max_position_embeddings"]
+            merged["factor"] = float(d.get("max_position_embeddings", 2048)) / old
     return theta, {"rope_type": rope_type, **merged}

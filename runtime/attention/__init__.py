@@ -16,6 +16,10 @@ else triton on CUDA; on CPU "cpu" where the kernels build and serve the pool's d
 decode as the prefill name, or, when both are "auto", triton on CUDA (measured faster at decode
 than FlashInfer's, slower at extend; see benchmarks/RESULTS.md).
 
+Models with multi-head latent attention (DeepSeek-V2) attend through `make_latent_attention`:
+the torch latent backend (`attention/latent.py`) on every device; there are no Triton or
+FlashInfer MLA kernels yet, so naming those backends for such a model is refused.
+
 This module imports no torch, so that `RuntimeConfig` (and with it the CLI's flag parsing) can
 check names against `NAMES` without loading it.
 """
@@ -190,3 +194,16 @@ def make_attention(name: str, decode_name: str, device: torch.device, dtype: tor
     if decode_name == prefill_name:
         return prefill
     return SplitAttention(prefill, BACKENDS[decode_name](head_dim, device, scale, windows))
+
+
+def make_latent_attention(name: str, decode_name: str, kv_lora_rank: int, scale: float) -> AttentionBackend:
+    """The backend of a model with latent attention (MLA): `attention/latent.py`'s torch path, for
+    "auto" or "torch"; ValueError for another name (no MLA kernels of that backend)."""
+    check_names(name, decode_name)
+    for option, value in (("attention_backend", name), ("decode_attention_backend", decode_name)):
+        if value not in ("auto", "torch"):
+            raise ValueError(f"{option} {value!r} has no multi-head latent attention (MLA) kernels: DeepSeek-V2 "
+                             "models run on the torch latent backend only (auto or torch)")
+    from hicache.runtime.attention.latent import LatentAttention
+
+    return LatentAttention(kv_lora_rank, scale)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hicache.runtime.model_config import ModelConfig
+from hicache.runtime.model_config import ModelConfig, yarn_mscale
 
 
 @functools.cache
@@ -101,7 +101,40 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, config.rope_theta, scaling)
     raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim)), 1 for other RoPE types."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor, mscale, all_dim = float(s["factor"]), s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:
+    """As HF's YaRN: interpolated (divided by factor) below the correction range, extrapolated
+    (unchanged) above it, a linear ramp between."""
+    factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(float(s.get("beta_fast") or 32)), correction_dim(float(s.get("beta_slow") or 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -129,6 +162,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inv_freq = rope_inv_freq(config)  # [D/2] fp32, CPU
+        self.attention_factor = rope_attention_factor(config)
         self.max_positions = config.max_position_embeddings
         self.cos_sin: torch.Tensor | None = None  # [P, D] fp32: cos in [:, :D/2], sin in [:, D/2:]
 
@@ -141,16 +175,20 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin is None or self.cos_sin.shape[0] < self.max_positions or self.cos_sin.device != dev:
             t = torch.arange(self.max_positions, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq)
-            self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dev)
+            self.cos_sin = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.attention_factor).to(dev)
+
+    def cover(self, positions: torch.Tensor) -> None:
+        """The cache on the positions' device, grown on CPU to hold them."""
+        if self.cos_sin is None or self.cos_sin.device != positions.device:
+            self.ensure(self.max_positions, positions.device)
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
+            self.ensure(2 * int(positions.max()) + 1, positions.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D], k [T, Hk, D] -> rotated (new tensors, input dtype).
         qk_norm: per-head RMSNorms applied to q and k first (one launch with the rotation on CUDA)."""
-        if self.cos_sin is None or self.cos_sin.device != positions.device:
-            self.ensure(self.max_positions, positions.device)
-        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
-            self.ensure(2 * int(positions.max()) + 1, positions.device)
+        self.cover(positions)
         if positions.is_cuda and cuda_kernels() is not None:  # one launch for q and k
             norms = () if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
             return cuda_kernels().rope(positions, q, k, self.cos_sin, *norms)

@@ -125,14 +125,14 @@ class LlamaMLP(nn.Module):
 
 
 def make_mlp(config: ModelConfig, layer_id: int, dtype: torch.dtype, device: torch.device | str,
-             tp: TensorParallel = SINGLE) -> nn.Module:
-    """A dense SwiGLU MLP, or the sparse MLP on the layers the MoE config names."""
+             tp: TensorParallel = SINGLE, sparse: type[SparseMoeBlock] = SparseMoeBlock) -> nn.Module:
+    """A dense SwiGLU MLP, or the sparse MLP (`sparse`) on the layers the MoE config names."""
     moe = config.moe
     if moe is None or not moe.is_sparse(layer_id):
         return LlamaMLP(config, dtype, device, tp=tp)
     shared = (LlamaMLP(config, dtype, device, moe.shared_intermediate_size, tp=tp, reduce=False)
               if moe.shared_intermediate_size else None)
-    return SparseMoeBlock(config, dtype, device, shared, tp)
+    return sparse(config, dtype, device, shared, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -249,13 +249,11 @@ class LlamaForCausalLM(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
-        attn = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
-        attn += ["q_proj.bias", "k_proj.bias", "v_proj.bias"] if self.config.qkv_bias else []
-        attn += ["q_norm.weight", "k_norm.weight"] if self.config.qk_norm else []
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             names |= {p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-            names |= {p + "self_attn." + s for s in attn} | {p + "mlp." + s for s in layer.mlp.weight_names()}
+            names |= {p + "self_attn." + s for s in layer.self_attn.targets()}
+            names |= {p + "mlp." + s for s in layer.mlp.weight_names()}
         return names
 
     def check_loaded(self, loaded: set[str]) -> None:

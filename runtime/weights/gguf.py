@@ -9,7 +9,10 @@ files llama.cpp's converter permutes the rows of q and k weights for its interle
 (`LlamaTensorProcessor._reverse_permute_weights`), so our rotate-half RoPE matches HF. Qwen files
 keep HF's row order. A `llama` file with experts is Mixtral. Experts come as one stacked tensor
 per layer and projection (`ffn_gate_exps`, ...), which the model loads whole, or in older
-Mixtral files as one tensor per expert (`ffn_gate.3.weight`).
+Mixtral files as one tensor per expert (`ffn_gate.3.weight`). A `deepseek2` file (DeepSeek-V2)
+holds MLA's kv_b projection as llama.cpp's converter splits it, `attn_k_b` (each head's key rows,
+transposed) and `attn_v_b`, which `_fuse_kv_b` joins back into HF's `kv_b_proj` (older files hold
+`attn_kv_b` whole); its RoPE is interleaved in llama.cpp as in HF, so no rows are permuted.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from hicache.runtime.model_config import ModelConfig
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                  "gemma3": "Gemma3ForCausalLM"}
+                  "gemma3": "Gemma3ForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 SUPPORTED_GGUF_ARCHS = tuple(_ARCHITECTURES)
 _PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter (see `_unpermute`)
 # Gemma's converter stores norm weights plus one (llama.cpp's RMSNorm scales by the weight alone)
@@ -69,6 +72,23 @@ _ARCH_LAYER_NAMES = {"gemma3": {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }}
+_ARCH_LAYER_NAMES["deepseek2"] = {
+    **{k: v for k, v in _LAYER_NAMES.items() if "shexp" not in k},
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",  # fused with attn_v_b by `_fuse_kv_b`
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3's
+}
+_KV_B_PARTS = ("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _PREFETCH = 8  # tensors dequantised ahead of the consumer
@@ -91,6 +111,9 @@ class GGUFCheckpoint:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantised in a few threads (numpy releases the GIL), at most `_PREFETCH` ahead so
         that memory stays bounded for large files; yielded in file order."""
+        return _fuse_kv_b(self._dequantised())
+
+    def _dequantised(self) -> Iterator[tuple[str, torch.Tensor]]:
         todo = [(hf, t) for t in self.reader.tensors if (hf := hf_name(t.name, self.arch)) is not None]
         workers = max(1, min(4, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
@@ -118,6 +141,25 @@ class GGUFCheckpoint:
         elif name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # stored as a vector
         return name, w
+
+
+def _fuse_kv_b(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each layer's k_b ([H, kv_lora_rank, nope], as llama.cpp transposes it) and
+    v_b ([H, v_head_dim, kv_lora_rank]) yielded as one HF kv_b_proj [H * (nope + v), kv_lora_rank]
+    once both have come; other tensors unchanged."""
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in items:
+        part = next((p for p in _KV_B_PARTS if name.endswith(p)), None)
+        if part is None:
+            yield name, t
+            continue
+        layer = name[:-len(part)]
+        parts = held.setdefault(layer, {})
+        parts[part] = t
+        if len(parts) == 2:
+            del held[layer]
+            k, v = parts[_KV_B_PARTS[0]].transpose(1, 2), parts[_KV_B_PARTS[1]]
+            yield f"{layer}self_attn.kv_b_proj.weight", torch.cat([k, v], dim=1).reshape(-1, k.shape[-1])
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -173,12 +215,37 @@ def gguf_config(reader: GGUFFile, name: str) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
-        **_moe_keys(arch, get, tensor_names),
+        **(_deepseek2_keys(get) if arch == "deepseek2" else _moe_keys(arch, get, tensor_names)),
     }
     if arch == "gemma3":  # head size is key_length; the layer pattern and local RoPE base are HF's defaults
         d.update(head_dim=get("attention.key_length"), sliding_window=get("attention.sliding_window"),
                  rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6))
     return ModelConfig.from_hf_config(d, name=name)
+
+
+def _deepseek2_keys(get) -> dict:
+    """DeepSeek's MLA and MoE keys, from llama.cpp's (its MQA view: key_length is the latent's,
+    key_length_mla a head's; older files have no *_mla keys and per-head key/value lengths). A
+    file with sigmoid expert gating is DeepSeek-V3 (noaux_tc routing)."""
+    rope = get("rope.dimension_count")
+    mla = get("attention.key_length_mla") is not None
+    groups = get("expert_group_count", 1)
+    scoring = _GATING_FUNCS.get(get("expert_gating_func", 1), "unknown")
+    v3 = scoring == "sigmoid"
+    keys = {"q_lora_rank": get("attention.q_lora_rank") or None, "kv_lora_rank": get("attention.kv_lora_rank"),
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": get("attention.key_length_mla" if mla else "attention.key_length") - rope,
+            "v_head_dim": get("attention.value_length_mla" if mla else "attention.value_length"),
+            "num_key_value_heads": get("attention.head_count"),
+            "n_routed_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "n_shared_experts": get("expert_shared_count", 0),
+            "first_k_dense_replace": get("leading_dense_block_count", 0),
+            "routed_scaling_factor": get("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(get("expert_weights_norm", False)), "scoring_func": scoring,
+            "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+            "n_group": groups, "topk_group": get("expert_group_used_count", 1)}
+    return keys | ({"architectures": ["DeepseekV3ForCausalLM"]} if v3 else {})
 
 
 def _moe_keys(arch: str, get, tensor_names: set[str]) -> dict:
@@ -209,6 +276,11 @@ def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    if kind == "yarn":  # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's mscale equals it
+        mscale = float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        return {"rope_type": "yarn", "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+                "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
+                "mscale": mscale, "mscale_all_dim": mscale}
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
 
 

@@ -151,9 +151,10 @@ def test_qwen3_moe_config_reads_every_spelling():
         ModelConfig.from_hf_config({**d, "num_experts_per_tok": 9})
 
 
-@pytest.mark.parametrize("name, total", [("qwen3-8b", 8.19e9), ("qwen3-30b-a3b", 30.53e9)])
+@pytest.mark.parametrize("name, total", [("qwen3-8b", 8.19e9), ("qwen3-30b-a3b", 30.53e9),
+                                         ("deepseek-v2-lite", 15.71e9)])
 def test_shipped_configs_build_hf_shapes(name, total):
-    """benchmarks/configs/<name>.json read by HF (Qwen3Config / Qwen3MoeConfig) and by us: the same
+    """benchmarks/configs/<name>.json read by HF (Qwen3Config / Qwen3MoeConfig / DeepseekV2Config) and by us: the same
     parameters, tensor by tensor (both on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -10,7 +10,9 @@ class DeviceKVPool:
     """Per-layer K/V buffers on the compute device (CPU tensors on a machine with no GPU).
 
     k_buffers[layer]: [num_slots, num_kv_heads, head_dim], `dtype`, `device`. The allocator hands
-    out slots a page at a time; the attention backend writes and reads the buffers.
+    out slots a page at a time; the attention backend writes and reads the buffers. The pool does
+    not interpret K and V: a model with latent attention (MLA) keeps one latent per token in a
+    pool of one head, its first half in K and its second in V.
 
     Given `window_layers` (the sliding-window layers, window `window`) and `window_tokens`, those
     layers' buffers hold `window_tokens` slots of their own ([window_tokens, H, D]) and the
