@@ -41,6 +41,10 @@ class RuntimeConfig:
     jump_forward: bool | None = field(default=None, metadata={"help": "Append the run of tokens a request's grammar forces at once and compute it in the next step, instead of decoding each forced token with a model step of its own. Default: on on CPU, off with CUDA, where an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: the model and each KV tier are split over this many processes (one GPU each on CUDA; gloo on CPU)."})
+    enable_lora: bool = field(default=False, metadata={"help": "Serve LoRA adapters (PEFT format) on the base model: loaded with lora_paths at start or POST /load_lora_adapter at run time, chosen per request (lora_path on /generate, model \"base:adapter\" or the adapter's name in the OpenAI and Anthropic APIs). Implied by lora_paths."})
+    lora_paths: tuple[str, ...] = field(default=(), metadata={"help": "LoRA adapters loaded at start, each NAME=PATH (or PATH, named by itself): a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."})
+    max_loras_per_batch: int = field(default=8, metadata={"help": "Most distinct LoRA adapters among the running requests (one batch); a request of another adapter waits."})
+    max_lora_rank: int = field(default=64, metadata={"help": "Largest LoRA rank an adapter may have; a higher one is refused when loaded."})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -64,6 +68,26 @@ class RuntimeConfig:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_on and self.tp_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not served with tp_size > 1")
+        names = [name for name, _ in map(_lora_path, self.lora_paths)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_paths: a name is given twice in {list(self.lora_paths)}")
+
+    @property
+    def lora_on(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of the adapters `lora_paths` loads at start."""
+        return dict(map(_lora_path, self.lora_paths))
 
     def features(self, cuda: bool) -> Features:
         """The tri-state options as they apply on a device (`cuda` or not): None takes the
@@ -78,6 +102,16 @@ class Features(NamedTuple):
     overlap_schedule: bool
     decode_while_loading: bool
     jump_forward: bool
+
+
+def _lora_path(item: str) -> tuple[str, str]:
+    """SGLang's `NAME=PATH`, or a bare `PATH` named by itself."""
+    name, sep, path = item.partition("=")
+    if not sep:
+        return item, item
+    if not name or not path:
+        raise ValueError(f"lora_paths: {item!r} is not NAME=PATH")
+    return name, path
 
 
 def _given_or(value: bool | None, default: bool) -> bool:

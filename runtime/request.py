@@ -7,6 +7,7 @@ import torch
 
 from hicache.manager import Lease
 from hicache.runtime.grammar import RequestGrammar
+from hicache.runtime.lora.adapter import LoraAdapter
 from hicache.runtime.sampling import SamplingParams
 
 
@@ -62,6 +63,7 @@ class Req:
         self.grammar: RequestGrammar | None = None  # its matcher, when its params carry a grammar
         self.finished = False  # it left the scheduler's queues (finished or aborted): `QueueState.remove`
         self.prefetch_wait = False  # the L3 prefetch policy kept it waiting when admission last looked
+        self.adapter: LoraAdapter | None = None  # its LoRA adapter (part of `namespace`), None: the base model
 
     @property
     def status(self) -> Status:
