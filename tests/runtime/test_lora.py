@@ -202,3 +202,37 @@ def test_start_with_a_bad_adapter_or_name_fails(tiny, tmp_path):
         make_engine(tiny.root / "base", lora_paths=[f"x={tmp_path}", f"x={tmp_path}"], max_total_tokens=512)
     with pytest.raises(ValueError, match="not served with tp_size > 1"):
         make_engine(tiny.root / "base", enable_lora=True, tp_size=2)
+
+
+def test_a_name_reloaded_with_other_weights_shares_nothing_with_its_running_requests(tiny):
+    """Unloading `x` while its requests run lets them finish with their weights; `x` loaded again
+    from other files serves the new weights and finds none of the old KV (its digest differs)."""
+    prompt = _prompts((50,), seed=6)[0]
+    rc = RuntimeConfig(model_path=str(tiny.root / "base"), enable_lora=True, max_total_tokens=1024)
+    sched = build_scheduler(rc, HiCacheConfig(page_size=PAGE, hierarchical_cache=False))
+    try:
+        sched.load_lora_adapter("x", str(tiny.root / "attn4"))
+        sched.add_request(GenerateRequest("old", prompt, SamplingParams(**greedy(NEW)), lora_path="x"))
+        outs = {"old": [], "new": []}
+        metas = {}
+        for o in sched.step():  # its prompt is computed under attn4
+            outs[o.rid] += o.new_token_ids
+        assert sched.unload_lora_adapter("x") == {}
+        assert sched.load_lora_adapter("x", str(tiny.root / "mlp8")) == {"x": str(tiny.root / "mlp8")}
+        sched.add_request(GenerateRequest("new", prompt, SamplingParams(**greedy(NEW)), lora_path="x"))
+        while sched.has_requests():
+            for o in sched.step():
+                outs[o.rid] += o.new_token_ids
+                metas[o.rid] = o.meta
+        assert outs == {"old": _want(tiny, [prompt], ["attn4"])[0], "new": _want(tiny, [prompt], ["mlp8"])[0]}
+        assert metas["new"]["cached_tokens"] == 0
+        sched.load_lora_adapter("y", str(tiny.root / "attn4"))  # the old files under another name
+        for rid, name in (("later-x", "x"), ("later-y", "y")):
+            sched.add_request(GenerateRequest(rid, prompt + [9], SamplingParams(**greedy(1)), lora_path=name))
+            while sched.has_requests():
+                for o in sched.step():
+                    metas[o.rid] = o.meta
+        assert metas["later-x"]["cached_tokens"] == metas["later-y"]["cached_tokens"] == 48
+        sched.check_integrity()
+    finally:
+        sched.close()
