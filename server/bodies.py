@@ -138,6 +138,7 @@ class SamplingFields(RouterDefaults):
     safety_identifier: Optional[str] = None
     store: Optional[Literal[False]] = None  # completions are never stored
     cache_salt: Optional[str] = None
+    lora_path: Optional[StrictStr] = None  # SGLang's: a LoRA adapter's name, as `model` may give it
     rid: Optional[Rid] = None
     response_format: Optional[ResponseFormat] = None
     logit_bias: Optional[dict[str, Any]] = None  # token id (a string of digits) -> bias in [-100, 100]

@@ -15,6 +15,7 @@ from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     ChoiceResult,
+    check_lora_paths,
     check_prompt,
     check_sampling,
     collect,
@@ -125,6 +126,15 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
     return prompts
 
 
+def _lora_paths(tm: TokenizerManager, job: _Job, lora_path: str | None) -> list[str | None]:
+    """Each prompt's adapter: the one `model` names, or SGLang's `lora_path` (400 when both name
+    different ones, or it names none loaded)."""
+    if lora_path is not None and job.lora_path not in (None, lora_path):
+        raise APIError(400, f"lora_path: {lora_path!r} differs from the adapter model names ({job.lora_path!r})",
+                       param="lora_path", code="invalid_value")
+    return check_lora_paths(tm, lora_path or job.lora_path, len(job.prompts))
+
+
 async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_tokens: int | None, top: int):
     sampling = body.sampling_dict() | (job.tools.constraint if job.tools else {})
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
@@ -133,7 +143,7 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     job.skip_special_tokens = params.skip_special_tokens
     reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
                          logprob_start_len=0 if job.prompt_logprobs else -1,
-                         lora_paths=[job.lora_path] * len(job.prompts))
+                         lora_paths=_lora_paths(tm, job, body.lora_path))
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:

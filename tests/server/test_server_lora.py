@@ -73,6 +73,11 @@ def test_load_list_select_unload(lora):
                                                       "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["model"] == model
         assert r.json()["choices"][0]["text"] == a["text"]
+    cmpl = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json={**cmpl, "lora_path": "a"}, timeout=120)  # SGLang's field
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == a["text"]
+    r = httpx.post(url + "/v1/completions", json={**cmpl, "model": f"{MODEL_NAME}:a", "lora_path": "b"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "b"}, timeout=120)
     assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": paths["a"]}
     r = _gen(url, "b")
