@@ -53,9 +53,10 @@ class ModelChoice(NamedTuple):
 def resolve_model(request: Request, model: str | None) -> ModelChoice:
     """`model` as the OpenAI and Anthropic APIs take it: a served name (None: the served model),
     or a LoRA adapter, as `base:adapter` or by its name alone; 404 for anything else."""
-    names, loras = request.app.state.model_names, tm_of(request).loras
+    names = request.app.state.model_names
     if model is None or model in names:
         return ModelChoice(names[0], None)
+    loras = tm_of(request).loras
     base, _, adapter = model.rpartition(":")  # (adapter names hold no ':')
     if model in loras or (base in names and adapter in loras):
         return ModelChoice(model, adapter)
