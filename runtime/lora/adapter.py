@@ -25,7 +25,8 @@ _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\."
                         r"(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # options whose non-default values change the computation in ways this runtime does not implement
 _REFUSED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
-            "modules_to_save": (None, []), "bias": ("none", None)}
+            "modules_to_save": (None, []), "bias": ("none", None), "lora_bias": (False, None),
+            "fan_in_fan_out": (False, None)}
 
 
 class AdapterError(ValueError):

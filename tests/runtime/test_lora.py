@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from lora_models import ADAPTERS, hf_greedy, peft_adapter, tiny_hf_llama
 pytest.importorskip("peft")
 
 PAGE, NEW = 16, 8
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +178,7 @@ def _first_a_transposed(tensors: dict) -> dict:
 @pytest.mark.parametrize("edit, message", [
     (lambda f: (f / "adapter_model.safetensors").unlink(), "no adapter_model.safetensors"),
     (lambda f: (f / "adapter_config.json").write_text("{"), "not readable JSON"),
+    (lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x00" * 64), "not a readable safetensors file"),
     (lambda f: _config(f, r=4, target_modules=["q_proj", "lm_head"]), r"target_modules \['lm_head'\]"),
     (lambda f: _config(f, use_dora=True), "use_dora=True is not supported"),
     (lambda f: _config(f, r=100), "rank 100 is above --max-lora-rank 64"),
@@ -236,3 +239,14 @@ def test_a_name_reloaded_with_other_weights_shares_nothing_with_its_running_requ
         sched.check_integrity()
     finally:
         sched.close()
+
+
+def test_adapters_are_refused_on_sparse_and_gemma_models():
+    from hicache.runtime.lora.registry import LoraRegistry
+    from hicache.runtime.model_config import ModelConfig
+
+    configs = REPO / "benchmarks" / "configs"
+    for name in ("qwen3-30b-a3b.json", "gemma3-270m.json"):
+        config = ModelConfig.from_json_file(configs / name)
+        with pytest.raises(ValueError, match="dense Llama-family models only"):
+            LoraRegistry(config, 64, torch.float32, torch.device("cpu"))
