@@ -75,8 +75,8 @@ class ModelRunner:
         the device, for a decode plan only: the token each request computes, instead of
         `req.all_ids[start]` (the previous step's samples, before the host has them)."""
         rows = [i for i, s in enumerate(plan.sample) if s]
-        adapters = [r.adapter for r in plan.reqs]
-        graph = self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch and not any(adapters)
+        graph = self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch and \
+            not any(r.adapter for r in plan.reqs)
         if plan.mode == "decode" and graph:  # (a batch with LoRA adapters runs outside the graphs)
             if plan.loads is not None:  # a graph reads every layer: wait for whole load-backs
                 plan.loads.wait_layer(None)

@@ -25,7 +25,7 @@ from hicache.runtime.counters import Counters
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, wait_compiling
 from hicache.runtime.jump_forward import JumpForward
 from hicache.runtime.lora.adapter import LoraAdapter
-from hicache.runtime.lora.registry import namespace as lora_namespace
+from hicache.runtime.lora.registry import LoraRegistry, namespace as lora_namespace
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.policy import BudgetPolicy
 from hicache.runtime.request import Req, Status, check_logprob_start, check_prompt
@@ -108,18 +108,19 @@ class Scheduler:
     def load_lora_adapter(self, name: str, path: str) -> dict[str, str]:
         """Loads a LoRA adapter (`lora.adapter.AdapterError` naming what is wrong); returns the
         loaded adapters' name -> path."""
-        if self.loras is None:
-            raise ValueError("LoRA adapters are not served (start with --enable-lora)")
-        self.loras.load(name, path)
+        self._served_loras().load(name, path)
         return self.loras.paths()
 
     def unload_lora_adapter(self, name: str) -> dict[str, str]:
         """Unloads an adapter: new requests for it are refused, those queued or running finish
         with it. Returns the loaded adapters' name -> path."""
+        self._served_loras().unload(name)
+        return self.loras.paths()
+
+    def _served_loras(self) -> LoraRegistry:
         if self.loras is None:
             raise ValueError("LoRA adapters are not served (start with --enable-lora)")
-        self.loras.unload(name)
-        return self.loras.paths()
+        return self.loras
 
     def add_request(self, msg: GenerateRequest) -> None:
         try:
