@@ -86,6 +86,7 @@ class ForwardBatch:
     graph_state: Any = None  # inside a captured decode graph: the backend's state for its batch size
     wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, before each attention
     window: ForwardBatch | None = None  # with a windowed pool: this batch over the windowed layers' slots
+    lora: Any = None  # a LoraBatch (runtime/lora/batch.py) when some request runs under a LoRA adapter
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:

@@ -12,6 +12,7 @@ from hicache.manager import CacheManager, StorageSetup
 from hicache.pagekey import namespace_seed
 from hicache.runtime.default_model import hicache_home
 from hicache.runtime.attention import AttentionBackend, make_attention, make_latent_attention
+from hicache.runtime.lora.registry import LoraRegistry
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.parallel import SINGLE, TensorParallel
@@ -47,6 +48,8 @@ class Components(NamedTuple):
     runner: ModelRunner
     context_length: int
     model_name: str
+    loras: LoraRegistry | None = None  # the served LoRA adapters, with enable_lora
+
 
 
 class RankParts(NamedTuple):
@@ -131,7 +134,20 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
     logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
                 f"; windowed layers: {pool.window_slots} slots" if pool.window_layers else "", parts.context)
-    return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name)
+    return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name, lora_registry(rc, loaded))
+
+
+def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None:
+    """The LoRA adapters' registry with those of `lora_paths` loaded (None without enable_lora)."""
+    if not rc.lora_on:
+        return None
+    param = next(loaded.model.parameters())
+    reserved = frozenset({loaded.config.name} | ({rc.model_path} if rc.model_path else set()))
+    loras = LoraRegistry(loaded.config, rc.max_lora_rank, param.dtype, param.device, reserved)
+    for name, path in rc.lora_adapters().items():
+        loras.load(name, path)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+    return loras
 
 
 def ngram_index(rc: RuntimeConfig, windowed: bool) -> NgramIndex | None:

@@ -49,6 +49,10 @@ class RuntimeConfig:
     speculative_ngram_max_match_window_size: int = field(default=4, metadata={"help": "NGRAM: the longest tail looked up (longer tails are tried first); every cached token is indexed once per window size in between."})
     speculative_ngram_capacity: int = field(default=1_000_000, metadata={"help": "NGRAM: most n-gram entries the index over the radix tree's token sequences holds (the oldest nodes' entries go first past it; 0: drafts from each request's own tokens only)."})
     speculative_max_batch_size: int = field(default=32, metadata={"help": "With speculative decoding: no drafts in a decode step of more requests than this. Below it, a step verifies as many draft tokens as its measured step costs and the requests' acceptance make worth it (large batches are compute-bound: a rejected draft costs as much as a kept token)."})
+    enable_lora: bool = field(default=False, metadata={"help": "Serve LoRA adapters (PEFT format) on the base model: loaded with lora_paths at start or POST /load_lora_adapter at run time, chosen per request (lora_path on /generate, model \"base:adapter\" or the adapter's name in the OpenAI and Anthropic APIs). Implied by lora_paths."})
+    lora_paths: tuple[str, ...] = field(default=(), metadata={"help": "LoRA adapters loaded at start, each NAME=PATH (or PATH, named by itself): a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."})
+    max_loras_per_batch: int = field(default=8, metadata={"help": "Most distinct LoRA adapters among the running requests (one batch); a request of another adapter waits."})
+    max_lora_rank: int = field(default=64, metadata={"help": "Largest LoRA rank an adapter may have; a higher one is refused when loaded."})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -73,6 +77,7 @@ class RuntimeConfig:
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError("mem_fraction_static must be in (0, 1]")
         self._check_speculative()
+        self._check_lora()
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
@@ -96,6 +101,25 @@ class RuntimeConfig:
             raise ValueError("speculative_algorithm: verify steps run without overlap scheduling; "
                              "leave overlap_schedule unset or disable it")
 
+    def _check_lora(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_on and self.tp_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not served with tp_size > 1")
+        names = [name for name, _ in map(_lora_path, self.lora_paths)]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_paths: a name is given twice in {list(self.lora_paths)}")
+
+    @property
+    def lora_on(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of the adapters `lora_paths` loads at start."""
+        return dict(map(_lora_path, self.lora_paths))
+
     def features(self, cuda: bool) -> Features:
         """The tri-state options as they apply on a device (`cuda` or not): None takes the
         device's default (each option's help)."""
@@ -109,6 +133,16 @@ class Features(NamedTuple):
     overlap_schedule: bool
     decode_while_loading: bool
     jump_forward: bool
+
+
+def _lora_path(item: str) -> tuple[str, str]:
+    """SGLang's `NAME=PATH`, or a bare `PATH` named by itself."""
+    name, sep, path = item.partition("=")
+    if not sep:
+        return item, item
+    if not name or not path:
+        raise ValueError(f"lora_paths: {item!r} is not NAME=PATH")
+    return name, path
 
 
 def _given_or(value: bool | None, default: bool) -> bool:

@@ -60,13 +60,15 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  top_logprobs_num: int = 0, cache_salt: str = "", logprob_start_len: int = -1,
-                 return_text_in_logprobs: bool = False) -> dict | list[dict]:
+                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None
+                 ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list (returns a list; n > 1 also gives a
         list). Bad input raises ValueError naming the field before anything is queued. With
         `return_logprob`, meta_info holds SGLang's log-prob fields (runtime/logprob_meta.py),
-        prompt tokens from `logprob_start_len` on included."""
+        prompt tokens from `logprob_start_len` on included. `lora_path`: the name of a loaded LoRA
+        adapter for every prompt, or a list of one (or None: the base model) per prompt."""
         msgs, single = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
-                                      logprob_start_len)
+                                      logprob_start_len, lora_path)
         done = threading.Event()
         results: dict[str, list[TokenOutput]] = {m.rid: [] for m in msgs}
         remaining = [len(msgs)]
@@ -89,10 +91,11 @@ class Engine:
     async def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
                              input_ids: list[int] | None = None, return_logprob: bool = False,
                              top_logprobs_num: int = 0, cache_salt: str = "", logprob_start_len: int = -1,
-                             return_text_in_logprobs: bool = False) -> AsyncIterator[dict]:
+                             return_text_in_logprobs: bool = False, lora_path: str | None = None
+                             ) -> AsyncIterator[dict]:
         """Stream one request: yields cumulative results ({"text", "output_ids", "meta_info"})."""
         msgs, _ = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
-                                 logprob_start_len)
+                                 logprob_start_len, lora_path)
         if len(msgs) != 1:
             raise ValueError("async_generate streams one prompt with n = 1")
         loop = asyncio.get_running_loop()
@@ -119,6 +122,14 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call(self.scheduler.flush_cache)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Loads the PEFT adapter folder `lora_path` as `lora_name` (ValueError naming what is
+        wrong); returns the loaded adapters' name -> path."""
+        return self._call(lambda: self.scheduler.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        return self._call(lambda: self.scheduler.unload_lora_adapter(lora_name))
+
     def get_stats(self) -> dict:
         return self._call(self.scheduler.stats)
 
@@ -141,17 +152,21 @@ class Engine:
     # ---- internals ------------------------------------------------------------------------
 
     def _requests(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
-                  logprob_start_len):
+                  logprob_start_len, lora_path=None):
         """The messages to queue, checked here: the scheduler thread only checks what needs it."""
         single = not (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)))
         ids = self._token_ids(prompt, input_ids)
         params = self._sampling_params(sampling_params, len(ids))
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(ids)
+        if len(loras) != len(ids) or not all(x is None or isinstance(x, str) for x in loras):
+            raise ValueError(f"lora_path: a name, or a list of one name (or None) per prompt ({len(ids)}), "
+                             f"got {lora_path!r}")
         if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be an integer >= 0, got {top_logprobs_num!r}")
         msgs = []
-        for one_ids, p in zip(ids, params):
+        for one_ids, p, lora in zip(ids, params, loras):
             base = GenerateRequest(f"eng-{next(self._ids)}-{uuid.uuid4().hex[:8]}", one_ids, p,
-                                   return_logprob, top_logprobs_num, cache_salt, logprob_start_len)
+                                   return_logprob, top_logprobs_num, cache_salt, logprob_start_len, lora_path=lora)
             for m in expand_n(base):
                 self.scheduler.validate(m)
                 msgs.append(m)
@@ -207,15 +222,26 @@ class Engine:
             self._inbox.put(m)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the scheduler thread (the only thread that may touch the scheduler)."""
+        """Run fn on the scheduler thread (the only thread that may touch the scheduler); a
+        ValueError it raises is raised here, the loop unharmed."""
         box: queue.Queue = queue.Queue()
-        self._inbox.put(lambda: box.put(fn()))
+
+        def call() -> None:
+            try:
+                box.put((fn(), None))
+            except ValueError as e:
+                box.put((None, e))
+
+        self._inbox.put(call)
         while True:
             self._raise_if_dead()
             try:
-                return box.get(timeout=0.5)
+                value, error = box.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if error is not None:
+                raise error
+            return value
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

@@ -26,6 +26,7 @@ class GenerateRequest:
     # with return_logprob: log-probs of prompt tokens [logprob_start_len, len(input_ids)); -1: none
     logprob_start_len: int = -1
     routed_dp_rank: int | None = None  # the server replica that must serve it (--dp-size); None: any
+    lora_path: str | None = None  # the name of the LoRA adapter to run under (enable_lora); None: the base model
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as msgpack builtins; `sampling_params` as `SamplingParams.to_wire()`."""

@@ -28,6 +28,7 @@ class BudgetPolicy:
         self.decode_while_loading = rc.features(cuda).decode_while_loading
         self.max_prefill_tokens = rc.max_prefill_tokens or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU)
         self.max_running = rc.max_running_requests
+        self.max_adapters = rc.max_loras_per_batch
         self.chunk_size = rc.chunked_prefill_size
         self.order_by_match = rc.schedule_policy == "lpm"
         self.conservativeness = rc.schedule_conservativeness
@@ -52,6 +53,14 @@ class BudgetPolicy:
 
     def admits_more(self, running: int) -> bool:
         return running < self.max_running
+
+    def adapter_fits(self, req: Req, running: Sequence[Req]) -> bool:
+        """Whether admitting `req` keeps the running requests' distinct LoRA adapters (one batch's)
+        within `max_loras_per_batch`."""
+        if req.adapter is None:
+            return True
+        adapters = {id(r.adapter) for r in running if r.adapter is not None}
+        return id(req.adapter) in adapters or len(adapters) < self.max_adapters
 
     def over_step_cap(self, planned_kv: int, req: Req) -> bool:
         """True when adding `req` to a step whose requests hold `planned_kv` tokens (at least one

@@ -8,6 +8,7 @@ import torch
 
 from hicache.manager import Lease
 from hicache.runtime.grammar import RequestGrammar
+from hicache.runtime.lora.adapter import LoraAdapter
 from hicache.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Req:
         self.finished = False  # it left the scheduler's queues (finished or aborted): `QueueState.remove`
         self.prefetch_wait = False  # the L3 prefetch policy kept it waiting when admission last looked
         self.spec: SpecState | None = None  # its drafting state, once speculative decoding has looked at it
+        self.adapter: LoraAdapter | None = None  # its LoRA adapter (part of `namespace`), None: the base model
 
     @property
     def status(self) -> Status:

@@ -13,6 +13,7 @@ from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
 from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
 from hicache.runtime.bitmask import BitmaskFiller, PendingFill, allowed_ids
+from hicache.runtime.lora.batch import LoraBatch
 from hicache.runtime.pinned import tensor_to, to_device
 from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.runtime.spec.verify import verify as spec_verify
@@ -105,7 +106,9 @@ class ModelRunner:
         the device, for a decode plan only: the token each request computes, instead of
         `req.all_ids[start]` (the previous step's samples, before the host has them)."""
         rows = [i for i, s in enumerate(plan.sample) if s]
-        if plan.mode == "decode" and self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch:
+        graph = self.graphs is not None and len(plan.reqs) <= self.graphs.max_batch and \
+            not any(r.adapter for r in plan.reqs)
+        if plan.mode == "decode" and graph:  # (a batch with LoRA adapters runs outside the graphs)
             if plan.loads is not None:  # a graph reads every layer: wait for whole load-backs
                 plan.loads.wait_layer(None)
             ids = input_ids if input_ids is not None else [r.all_ids[s] for r, s in zip(plan.reqs, plan.starts)]
@@ -137,7 +140,8 @@ class ModelRunner:
             token_slots.append(slots)
         mode = "extend" if plan.mode == "verify" else plan.mode  # a verify step attends as an extend
         batch = ForwardBatch(mode, self.attn, self.pool, torch.cat(locs), plan.extend_lens, token_slots,
-                             wait_kv=plan.loads.wait_layer if plan.loads is not None else None)
+                             wait_kv=plan.loads.wait_layer if plan.loads is not None else None,
+                             lora=LoraBatch.build([r.adapter for r in plan.reqs], plan.extend_lens, self.device))
         lens = torch.tensor(plan.extend_lens)
         starts = torch.tensor(plan.starts)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(plan.starts, plan.extend_lens)])

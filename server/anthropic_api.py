@@ -31,7 +31,6 @@ from hicache.server.bodies import INT32_MAX, Int64, Strict
 from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
-    check_model,
     check_prompt,
     check_sampling,
     collect,
@@ -39,6 +38,7 @@ from hicache.server.serving import (
     make_requests,
     render_chat,
     resolve_max_tokens,
+    resolve_model,
     stream_all,
     tm_of,
 )
@@ -90,32 +90,32 @@ class MessagesRequest(CountTokensRequest):
 async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
     tm = tm_of(request)
-    model = check_model(request, body.model)
+    model = resolve_model(request, body.model)
     ids, plan = _prompt(request, body)
     sampling = {**plan.constraint, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                 "stop": body.stop_sequences, "max_new_tokens": resolve_max_tokens(tm, len(ids), body.max_tokens,
                                                                                    "max_tokens")}
     params = check_sampling({k: v for k, v in sampling.items() if v is not None}, tm.info.vocab_size, RENAMES)
     msg_id = f"msg_{uuid.uuid4().hex}"
-    reqs = make_requests([ids], params, msg_id)
+    reqs = make_requests([ids], params, msg_id, lora_paths=[model.lora_path])
     if body.stream:
         (_, first), rest = await first_then_rest(stream_all(tm, reqs))
         if first.error is not None:
             await rest.aclose()
             raise APIError(first.error_status, first.error)
-        start = _message(msg_id, model, [], None, False, _usage(first.meta, len(ids), 0))
+        start = _message(msg_id, model.name, [], None, False, _usage(first.meta, len(ids), 0))
         events = _events(start, BlockStream(plan), first, rest, len(ids))
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     result = (await collect(tm, reqs, request))[0]
     content, called = answer_blocks(plan, result.text)
-    return _message(msg_id, model, content, result.finish_reason, called,
+    return _message(msg_id, model.name, content, result.finish_reason, called,
                     _usage(result.meta, len(ids), result.meta.get("completion_tokens", len(result.output_ids))))
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict:
     body = await parse_body(request, CountTokensRequest)
-    check_model(request, body.model)
+    resolve_model(request, body.model)
     return {"input_tokens": len(_prompt(request, body)[0])}
 
 

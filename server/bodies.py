@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from hicache.runtime.grammar import JSON_OBJECT_SCHEMA
 from hicache.server.protocol import INT64_MAX, INT64_MIN, APIError
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI
@@ -138,6 +138,7 @@ class SamplingFields(RouterDefaults):
     safety_identifier: Optional[str] = None
     store: Optional[Literal[False]] = None  # completions are never stored
     cache_salt: Optional[str] = None
+    lora_path: Optional[StrictStr] = None  # SGLang's: a LoRA adapter's name, as `model` may give it
     rid: Optional[Rid] = None
     response_format: Optional[ResponseFormat] = None
     logit_bias: Optional[dict[str, Any]] = None  # token id (a string of digits) -> bias in [-100, 100]
@@ -191,10 +192,9 @@ class CompletionRequest(SamplingFields):
 class SGLangClientDefaults(RouterDefaults):
     """Fields of SGLang's /generate body that its own clients send (`bench_serving`, the frontend
     language's `RuntimeEndpoint`): accepted at the value that asks for nothing (false, null); any
-    other value asks for what this server does not do (LoRA adapters, routed experts, log-probs of
-    chosen token ids, images, sessions), a 400 naming the field."""
+    other value asks for what this server does not do (routed experts, log-probs of chosen token
+    ids, images, sessions), a 400 naming the field."""
 
-    lora_path: None = None
     return_routed_experts: Optional[Literal[False]] = None
     token_ids_logprob: None = None
     image_data: None = None
@@ -206,6 +206,7 @@ class GenerateReqInput(SGLangClientDefaults):
 
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[StrictInt], list[list[StrictInt]]]] = None
+    lora_path: Optional[Union[StrictStr, list[Optional[StrictStr]]]] = None  # an adapter's name, or one per prompt
     sampling_params: Optional[dict[str, Any]] = None
     stream: StrictBool = False
     rid: Optional[Rid] = None
@@ -220,6 +221,22 @@ class GenerateReqInput(SGLangClientDefaults):
     background: Optional[Literal[False]] = None
     return_bytes: Optional[Literal[False]] = None
     return_entropy: Optional[Literal[False]] = None
+
+
+AdapterName = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class LoadLoraAdapterReqInput(Strict):
+    """SGLang's `/load_lora_adapter` body. `pinned` (keep the adapter in GPU memory) is accepted
+    either way: every loaded adapter stays in GPU memory until unloaded."""
+
+    lora_name: AdapterName
+    lora_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+    pinned: Optional[StrictBool] = None
+
+
+class UnloadLoraAdapterReqInput(Strict):
+    lora_name: AdapterName
 
 
 class AbortReqInput(Strict):

@@ -45,7 +45,8 @@ logger = logging.getLogger("hicache.ipc")
 @dataclass
 class ControlRequest:
     """HTTP process -> scheduler: `kind` is "flush_cache", "stats", "start_profile" (`args`: a
-    `runtime.profiler.ProfileSpec`'s fields), "stop_profile" or "shutdown"."""
+    `runtime.profiler.ProfileSpec`'s fields), "stop_profile", "load_lora_adapter" (`args`:
+    lora_name, lora_path), "unload_lora_adapter" (lora_name) or "shutdown"."""
 
     id: str
     kind: str

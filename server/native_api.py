@@ -17,7 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hicache.runtime.logprob_meta import sglang_logprobs
 from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.sampling import GRAMMAR_KINDS, INERT_VALUES, SamplingParams
-from hicache.server.bodies import AbortReqInput, GenerateReqInput, ProfileReqInput
+from hicache.server.bodies import (
+    AbortReqInput,
+    GenerateReqInput,
+    LoadLoraAdapterReqInput,
+    ProfileReqInput,
+    UnloadLoraAdapterReqInput,
+)
 from hicache.server.protocol import (
     APIError,
     error_body,
@@ -29,6 +35,7 @@ from hicache.server.protocol import (
 from hicache.server.serving import (
     ChoiceResult,
     SSE_HEADERS,
+    check_lora_paths,
     check_prompt,
     check_sampling,
     collect,
@@ -60,7 +67,8 @@ async def generate(request: Request):
     _check_logprob_start(body.logprob_start_len, prompts)
     reqs = make_requests(prompts, params, rid, body.return_logprob, body.top_logprobs_num,
                          body.cache_salt or body.extra_key, body.logprob_start_len,
-                         _dp_rank(tm, body.routed_dp_rank, body.data_parallel_rank))
+                         _dp_rank(tm, body.routed_dp_rank, body.data_parallel_rank),
+                         check_lora_paths(tm, body.lora_path, len(prompts)))
     multi = batched or params.n > 1
     shape = _Shape(body.return_logprob, (lambda t: tm.token_str(t)) if body.return_text_in_logprobs else None)
     if body.stream:
@@ -262,6 +270,39 @@ async def flush_cache(request: Request):
         return error_response(400, reply.error or "Cache not flushed: requests are running; retry when idle.",
                               code="requests_running")
     return {"success": True, "message": "Cache flushed."}
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    """SGLang's run-time adapter load: the PEFT adapter folder `lora_path` served as `lora_name`;
+    a bad adapter or a name in use is a 400 naming the problem."""
+    body = await parse_body(request, LoadLoraAdapterReqInput)
+    return await _update_loras(request, "load_lora_adapter", {"lora_name": body.lora_name, "lora_path": body.lora_path})
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    """Unloads an adapter: new requests naming it are refused (400); those already queued or
+    running finish with it."""
+    body = await parse_body(request, UnloadLoraAdapterReqInput)
+    return await _update_loras(request, "unload_lora_adapter", {"lora_name": body.lora_name})
+
+
+async def _update_loras(request: Request, kind: str, args: dict):
+    tm = tm_of(request)
+    if not tm.runtime_config.lora_on:
+        return error_response(400, "LoRA adapters are not served: start the server with --enable-lora",
+                              param="lora_name", code="invalid_value")
+    if kind == "load_lora_adapter" and args["lora_name"] in request.app.state.model_names:
+        return error_response(400, f"lora_name: {args['lora_name']!r} is already in use (by the served model)",
+                              param="lora_name", code="invalid_value")
+    reply = await tm.control(kind, args=args, timeout=600.0)
+    if not reply.ok:
+        error = reply.error or "the adapter could not be updated"
+        return error_response(400, error, param="lora_name" if error.startswith("lora_name") else "lora_path",
+                              code="invalid_value")
+    tm.loras = dict(reply.data["loaded_adapters"])
+    return {"success": True, "error_message": "", "loaded_adapters": tm.loras}
 
 
 @router.post("/start_profile")

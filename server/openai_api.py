@@ -15,7 +15,7 @@ from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     ChoiceResult,
-    check_model,
+    check_lora_paths,
     check_prompt,
     check_sampling,
     collect,
@@ -23,6 +23,7 @@ from hicache.server.serving import (
     make_requests,
     render_chat,
     resolve_max_tokens,
+    resolve_model,
     stream_all,
     stream_error,
     tm_of,
@@ -50,6 +51,7 @@ class _Job:
     skip_special_tokens: bool = True
     created: int = 0
     tools: ToolPlan | None = None
+    lora_path: str | None = None  # the LoRA adapter `model` names
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -69,19 +71,22 @@ async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": request.app.state.started,
                                         "owned_by": "hicache", "root": tm.info.model_name,
                                         "max_model_len": tm.info.context_length}
-                                       for name in request.app.state.served_names]}
+                                       for name in request.app.state.served_names] + [
+        {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "hicache", "root": path,
+         "parent": request.app.state.served_names[0], "max_model_len": tm.info.context_length}
+        for name, path in tm.loras.items()]}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     tm = tm_of(request)
-    model = check_model(request, body.model)
+    model = resolve_model(request, body.model)
     tools = plan_tools(body, request)
     ids = render_chat(tm, tools.messages, "messages", tools.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model, [ids], body.n, body.logprobs,
-               created=int(time.time()), tools=tools)
+    job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model.name, [ids], body.n, body.logprobs,
+               created=int(time.time()), tools=tools, lora_path=model.lora_path)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     return await _run(request, tm, body, job, max_tokens, top)
 
@@ -90,7 +95,7 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     body = await parse_body(request, CompletionRequest)
     tm = tm_of(request)
-    model = check_model(request, body.model)
+    model = resolve_model(request, body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
     if body.best_of not in (None, body.n):
@@ -98,8 +103,8 @@ async def completions(request: Request):
                        param="best_of", code="unsupported")
     prompts = _prompt_ids(tm, body.prompt)
     echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
-    job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model, prompts, body.n, body.logprobs is not None,
-               echo=echo, created=int(time.time()))
+    job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model.name, prompts, body.n,
+               body.logprobs is not None, echo=echo, created=int(time.time()), lora_path=model.lora_path)
     return await _run(request, tm, body, job, body.max_tokens, body.logprobs or 0)
 
 
@@ -121,6 +126,15 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
     return prompts
 
 
+def _lora_paths(tm: TokenizerManager, job: _Job, lora_path: str | None) -> list[str | None]:
+    """Each prompt's adapter: the one `model` names, or SGLang's `lora_path` (400 when both name
+    different ones, or it names none loaded)."""
+    if lora_path is not None and job.lora_path not in (None, lora_path):
+        raise APIError(400, f"lora_path: {lora_path!r} differs from the adapter model names ({job.lora_path!r})",
+                       param="lora_path", code="invalid_value")
+    return check_lora_paths(tm, lora_path or job.lora_path, len(job.prompts))
+
+
 async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_tokens: int | None, top: int):
     sampling = body.sampling_dict() | (job.tools.constraint if job.tools else {})
     limits = [resolve_max_tokens(tm, len(p), max_tokens, "max_tokens") for p in job.prompts]
@@ -128,7 +142,8 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     params = replace(check_sampling(sampling, tm.info.vocab_size, OPENAI_RENAMES), n=job.n)
     job.skip_special_tokens = params.skip_special_tokens
     reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
-                         logprob_start_len=0 if job.prompt_logprobs else -1)
+                         logprob_start_len=0 if job.prompt_logprobs else -1,
+                         lora_paths=_lora_paths(tm, job, body.lora_path))
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:

@@ -309,6 +309,8 @@ class SchedulerLoop:
                 return ControlReply(id=msg.id, ok=True, data=self.sched.stats())
             if msg.kind in ("start_profile", "stop_profile"):
                 return self._profile(msg)
+            if msg.kind in ("load_lora_adapter", "unload_lora_adapter"):
+                return self._lora(msg)
             if msg.kind == "shutdown":
                 self.running = False
                 return ControlReply(id=msg.id, ok=True)
@@ -316,6 +318,18 @@ class SchedulerLoop:
         except Exception as e:  # a failing control call must not kill the loop
             logger.exception("control %s failed", msg.kind)
             return ControlReply(id=msg.id, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _lora(self, msg: ControlRequest) -> ControlReply:
+        """load_lora_adapter (`args`: lora_name, lora_path) / unload_lora_adapter (lora_name): a
+        bad adapter is a reply naming why; `data`: the loaded adapters' name -> path."""
+        try:
+            if msg.kind == "load_lora_adapter":
+                loaded = self.sched.load_lora_adapter(msg.args.get("lora_name"), msg.args.get("lora_path"))
+            else:
+                loaded = self.sched.unload_lora_adapter(msg.args.get("lora_name"))
+            return ControlReply(id=msg.id, ok=True, data={"loaded_adapters": loaded})
+        except ValueError as e:
+            return ControlReply(id=msg.id, ok=False, error=str(e))
 
     def _profile(self, msg: ControlRequest) -> ControlReply:
         """start_profile / stop_profile: a bad spec or a second start is a reply naming why."""

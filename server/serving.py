@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 from fastapi import Request
 
@@ -43,6 +43,43 @@ def check_model(request: Request, model: str | None) -> str:
         raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(map(repr, names))}.",
                        param="model", code="model_not_found")
     return names[0]
+
+
+class ModelChoice(NamedTuple):
+    name: str  # the name to report
+    lora_path: str | None  # the LoRA adapter it names; None: the base model
+
+
+def resolve_model(request: Request, model: str | None) -> ModelChoice:
+    """`model` as the OpenAI and Anthropic APIs take it: a served name (None: the served model),
+    or a LoRA adapter, as `base:adapter` or by its name alone; 404 for anything else."""
+    names = request.app.state.model_names
+    if model is None or model in names:
+        return ModelChoice(names[0], None)
+    loras = tm_of(request).loras
+    base, _, adapter = model.rpartition(":")  # (adapter names hold no ':')
+    if model in loras or (base in names and adapter in loras):
+        return ModelChoice(model, adapter)
+    available = [*names, *loras]
+    raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(map(repr, available))} "
+                   f"(a LoRA adapter also as `{names[0]}:<adapter>`).", param="model", code="model_not_found")
+
+
+def check_lora_paths(tm: TokenizerManager, lora_path: str | list | None, num_prompts: int) -> list[str | None]:
+    """/generate's `lora_path` (a name, or one name or null per prompt) per prompt; 400 naming it
+    for a name not loaded or a list of the wrong length."""
+    paths = lora_path if isinstance(lora_path, list) else [lora_path] * num_prompts
+    if len(paths) != num_prompts:
+        raise APIError(400, f"lora_path: {len(paths)} names for {num_prompts} prompts", param="lora_path",
+                       code="invalid_value")
+    if any(p is not None for p in paths) and not tm.runtime_config.lora_on:
+        raise APIError(400, "lora_path: LoRA adapters are not served (start the server with --enable-lora)",
+                       param="lora_path", code="invalid_value")
+    for p in paths:
+        if p is not None and p not in tm.loras:
+            raise APIError(400, f"lora_path: no adapter {p!r} is loaded (loaded: "
+                           f"{', '.join(map(repr, tm.loras)) or 'none'})", param="lora_path", code="invalid_value")
+    return paths
 
 
 @dataclass
@@ -141,9 +178,11 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
 
 def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
                   top_logprobs: int = 0, cache_salt: str | None = None,
-                  logprob_start_len: int = -1, routed_dp_rank: int | None = None) -> list[GenerateRequest]:
+                  logprob_start_len: int = -1, routed_dp_rank: int | None = None,
+                  lora_paths: list[str | None] | None = None) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
-    `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`)."""
+    `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`).
+    `lora_paths`: each prompt's LoRA adapter (None: the base model)."""
     if len(prompts) * params.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} completions; "
                        f"at most {MAX_CHOICES} per request", param="n", code="invalid_value")
@@ -152,7 +191,8 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
         rid = base_rid if len(prompts) == 1 else f"{base_rid}-{p}"
         base = GenerateRequest(rid=rid, input_ids=ids, sampling_params=params, return_logprob=return_logprob,
                                top_logprobs_num=top_logprobs, cache_salt=cache_salt or "",
-                               logprob_start_len=logprob_start_len, routed_dp_rank=routed_dp_rank)
+                               logprob_start_len=logprob_start_len, routed_dp_rank=routed_dp_rank,
+                               lora_path=lora_paths[p] if lora_paths else None)
         reqs.extend(expand_n(base))
     return reqs
 

@@ -69,6 +69,8 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._aborting: dict[str, int] = {}  # rid -> replica, closed early, abort not yet confirmed
         self._loads = [0] * len(self.replicas)  # open requests per replica
+        # the LoRA adapters served (name -> path): those of lora_paths, then as loaded and unloaded
+        self.loras: dict[str, str] = runtime_config.lora_adapters()
 
     # ---- lifecycle --------------------------------------------------------------------------
 

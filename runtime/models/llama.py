@@ -54,17 +54,27 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
         self.packs: dict[str, Any] = {}
+        q, kv = self.q_size, self.kv_size  # the LoRA targets' columns of qkv_proj (runtime/lora/batch.py)
+        self.lora_columns = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, batch: Any) -> torch.Tensor:
+        """`batch.lora`, where set (a `LoraBatch`), adds its adapters' deltas to q/k/v and o_proj."""
         T = x.shape[0]
+        lora = getattr(batch, "lora", None)
         qkv = linear(x, self.qkv_proj, self.packs.get("qkv_proj"))
+        if lora is not None:
+            lora.add(qkv, x, self.layer_id, self.lora_columns)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k, None if self.q_norm is None else (self.q_norm, self.k_norm))
-        out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch)
-        return self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj, self.packs.get("o_proj")))
+        out = batch.attn.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), self.layer_id, batch).reshape(
+            T, self.q_size)
+        o = linear(out, self.o_proj, self.packs.get("o_proj"))
+        if lora is not None:
+            lora.add(o, out, self.layer_id, (("o_proj", 0, o.shape[1]),))
+        return self.tp.all_reduce(o)
 
     def targets(self) -> dict[str, tuple[torch.Tensor, Index]]:
         """`self_attn.<name>` -> (the parameter or the rows of a fused one it fills, the part of
@@ -99,15 +109,25 @@ class LlamaMLP(nn.Module):
         self.down_proj = sharded_param((config.hidden_size, full), self.parts["down"], dtype, device)
         self.packs: dict[str, Any] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None, layer_id: int = 0) -> torch.Tensor:
+        """With `lora` (a `LoraBatch`), its adapters' deltas of layer `layer_id`'s gate/up/down."""
         gate_up = linear(x, self.gate_up_proj, self.packs.get("gate_up_proj"))
-        down = self.packs.get("down_proj")
+        if lora is not None:
+            i = self.intermediate_size
+            lora.add(gate_up, x, layer_id, (("gate_proj", 0, i), ("up_proj", i, 2 * i)))
+        h = self.silu_mul(gate_up)
+        down = linear(h, self.down_proj, self.packs.get("down_proj"))
+        if lora is not None:
+            lora.add(down, h, layer_id, (("down_proj", 0, down.shape[1]),))
+        return self.reduced(down)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cpu is not None and gate_up.dim() == 2:
-            return self.reduced(linear(self.cpu.silu_mul(gate_up), self.down_proj, down))
+            return self.cpu.silu_mul(gate_up)
         if gate_up.is_cuda and gate_up.dim() == 2 and cuda_kernels() is not None:
-            return self.reduced(linear(cuda_kernels().silu_mul(gate_up), self.down_proj))
+            return cuda_kernels().silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.reduced(linear(F.silu(gate) * up, self.down_proj, down))
+        return F.silu(gate) * up
 
     def reduced(self, out: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(out) if self.reduce else out
@@ -149,7 +169,8 @@ class LlamaDecoderLayer(nn.Module):
         """x: the residual stream entering the layer; normed: input_layernorm(x). Returns (stream
         after attention, MLP output): the caller adds the two with the next norm (one launch)."""
         x, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, positions, rope, batch))
-        return x, self.mlp(normed)
+        lora = getattr(batch, "lora", None)  # (LoRA adapters are served on dense MLPs only)
+        return x, self.mlp(normed) if lora is None else self.mlp(normed, lora, self.self_attn.layer_id)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -84,6 +84,8 @@ class PrefillPlanner:
                 break  # L1 left for the next step's load-backs (runtime/scheduler/overlap.py)
             if req.grammar is not None and not req.grammar.seen_ready:
                 continue  # its grammar is compiling
+            if not self.policy.adapter_fits(req, self.queue.running):
+                continue  # max_loras_per_batch other adapters are running
             got = self.cache.prefetch_ready(req.lease)
             req.prefetch_wait = got is None
             if got is None:

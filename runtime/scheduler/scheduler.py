@@ -27,6 +27,8 @@ from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, wait_compiling
 from hicache.runtime.jump_forward import JumpForward
+from hicache.runtime.lora.adapter import LoraAdapter
+from hicache.runtime.lora.registry import LoraRegistry, namespace as lora_namespace
 from hicache.runtime.messages import GenerateRequest, TokenOutput
 from hicache.runtime.policy import BudgetPolicy
 from hicache.runtime.request import Req, Status, check_logprob_start, check_prompt
@@ -50,6 +52,7 @@ class Scheduler:
         self.cache: CacheManager = parts.cache
         self.runner = parts.runner
         self.context_length, self.model_name = parts.context_length, parts.model_name
+        self.loras = parts.loras
         self.bytes_per_token = parts.pool.bytes_per_token()
         self.page_size = self.cache.page_size
         self.stop_checker = StopChecker(self.tokenizer, self.model_config.eos_token_ids)
@@ -96,7 +99,34 @@ class Scheduler:
         check_logprob_start(req.logprob_start_len, len(req.input_ids))
         if req.sampling_params.grammar is not None and self.tokenizer is None:
             raise ValueError(f"{req.sampling_params.grammar[0]}: this model has no tokenizer to compile grammars for")
+        self.adapter_of(req)
         return req.sampling_params
+
+    def adapter_of(self, msg: GenerateRequest) -> LoraAdapter | None:
+        """The LoRA adapter `msg.lora_path` names (None: the base model); ValueError naming
+        `lora_path` when none is loaded under that name or LoRA is off."""
+        if msg.lora_path is None:
+            return None
+        if self.loras is None:
+            raise ValueError("lora_path: LoRA adapters are not served (start with --enable-lora)")
+        return self.loras.get(msg.lora_path)
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, str]:
+        """Loads a LoRA adapter (`lora.adapter.AdapterError` naming what is wrong); returns the
+        loaded adapters' name -> path."""
+        self._served_loras().load(name, path)
+        return self.loras.paths()
+
+    def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Unloads an adapter: new requests for it are refused, those queued or running finish
+        with it. Returns the loaded adapters' name -> path."""
+        self._served_loras().unload(name)
+        return self.loras.paths()
+
+    def _served_loras(self) -> LoraRegistry:
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not served (start with --enable-lora)")
+        return self.loras
 
     def add_request(self, msg: GenerateRequest) -> None:
         try:
@@ -107,8 +137,10 @@ class Scheduler:
         seq = next(self._arrivals)
         gen = None if params.is_greedy else make_generator(params.seed, self.rc.random_seed * 1_000_003 + seq,
                                                            self.runner.device)
-        req = Req(msg.rid, list(msg.input_ids), params, msg.cache_salt, gen, msg.return_logprob, msg.top_logprobs_num,
-                  msg.logprob_start_len)
+        adapter = self.adapter_of(msg)
+        req = Req(msg.rid, list(msg.input_ids), params, lora_namespace(msg.cache_salt, adapter), gen,
+                  msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len)
+        req.adapter = adapter
         req.arrival_seq = seq
         if params.grammar is not None:
             req.grammar = self.grammars.start(*params.grammar)

@@ -232,7 +232,7 @@ TYPES_AND_VALUES = [
          param="messages.0.audio"),
     Case("stream_options unknown field", "POST", CHAT, chat(stream_options={"x": 1}), param="stream_options.x"),
     Case("completions best_of", "POST", CMPL, cmpl(best_of=2), param="best_of"),
-    Case("generate unknown field", "POST", GEN, gen(lora_path="x"), param="lora_path"),
+    Case("generate lora_path without --enable-lora", "POST", GEN, gen(lora_path="x"), param="lora_path"),
     Case("router field asking for more", "POST", GEN, gen(return_hidden_states=True), param="return_hidden_states"),
     Case("chat continue_final_message", "POST", CHAT, chat(continue_final_message=True),
          param="continue_final_message"),
