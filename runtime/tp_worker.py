@@ -33,9 +33,11 @@ BUSY_POLL_MS = 2  # while L3 operations run: how often their results are looked 
 
 
 class Row(NamedTuple):
-    """A request of rank 0's plan, as a follower's runner sees it: its table row."""
+    """A request of rank 0's plan, as a follower's runner sees it: its table row (and no LoRA
+    adapter: adapters are not served with tensor parallelism)."""
 
     row: int
+    adapter: None = None
 
 
 class Loads(NamedTuple):
