@@ -198,6 +198,11 @@ class RequestGrammar:
             return None
         return f"{self.kind}: the grammar did not compile: {_short(self._compiled.exception())}"
 
+    @property
+    def tokenizer_info(self):
+        """The compiled grammar's `xgrammar.TokenizerInfo` (once compiled)."""
+        return self._compiled.result().tokenizer_info
+
     def look(self) -> bool:
         """Whether the request may run now (compiled without error); remembered in `seen_ready`."""
         self.seen_ready = self.done and self.error is None
