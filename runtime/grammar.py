@@ -9,7 +9,8 @@
   (`accept`), and compiles for the model's tokenizer on a small thread pool, so that the scheduler
   thread never waits for a compilation: a request stays in the queue until its grammar is ready,
   while the others keep running. Compiled grammars are cached by (kind, text) in an LRU (the
-  futures themselves: requests that arrive together share one compilation).
+  futures themselves: requests that arrive together share one compilation) bounded in entries and
+  in bytes. `check_grammar` bounds what one compilation may cost by the grammar's size.
 - `RequestGrammar` is a request's matcher. Invariant: it has accepted exactly the request's output
   tokens (`Scheduler.process_result` advances it as it appends a token; `sync` rolls it back to the
   outputs the request keeps when it is retracted), some of them perhaps still pending: a token
@@ -44,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
+CACHE_BYTES = 1 << 28  # and at most this much memory of compiled grammars (XGrammar's measure)
+MAX_GRAMMAR_TEXT = 1 << 20  # characters of a grammar's text
+MAX_GRAMMAR_CHARS = 1 << 18  # characters of a grammar's EBNF form
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
 # models otherwise fall into endless runs of newlines.
@@ -53,22 +57,34 @@ MAX_JSON_WHITESPACE = 16
 @functools.lru_cache(maxsize=CACHE_ENTRIES)  # an exception is not cached: a bad text is parsed again
 def check_grammar(kind: str, text: str) -> None:
     """Parses `text` as a grammar of `kind` (json_schema, regex, ebnf, structural_tag); raises
-    ValueError starting with `kind` when it is not one."""
-    import xgrammar as xgr
-
+    ValueError starting with `kind` when it is not one, or when it is too large to compile: its
+    text longer than `MAX_GRAMMAR_TEXT` characters (refused before parsing) or its grammar's EBNF
+    form longer than `MAX_GRAMMAR_CHARS` (the time and memory of a compilation grow with it)."""
+    if len(text) > MAX_GRAMMAR_TEXT:
+        raise ValueError(f"{kind} is too long: {len(text)} characters, at most {MAX_GRAMMAR_TEXT} are accepted")
     why = _unenforced_keyword(text) if kind == "json_schema" else None
     if why is not None:
         raise ValueError(f"{kind} is a schema the output could break: {why}; remove it or reword the schema")
+    size = len(str(_parse(kind, text)))
+    if size > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{kind} is too large to compile: its grammar holds {size} characters in EBNF form, "
+                         f"at most {MAX_GRAMMAR_CHARS} are accepted; use fewer properties, enum values or alternatives")
+
+
+def _parse(kind: str, text: str):
+    """`text` parsed as an `xgrammar.Grammar` of `kind`; ValueError starting with `kind` when it is
+    not one."""
+    import xgrammar as xgr
+
     try:
         if kind == "json_schema":
             json.loads(text)  # a clearer message than the converter's for plain JSON errors
-            xgr.Grammar.from_json_schema(text)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind == "ebnf":
-            xgr.Grammar.from_ebnf(text)
-        else:
-            xgr.Grammar.from_structural_tag(*structural_tag_args(text))
+            return xgr.Grammar.from_json_schema(text)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "ebnf":
+            return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_structural_tag(*structural_tag_args(text))
     except KeyError as e:  # a structure of the older structural tag form lacks a key
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: a structure lacks {e}") from None
     except (ValueError, RuntimeError, TypeError) as e:  # json, xgrammar's parsers
@@ -134,9 +150,17 @@ class GrammarCompiler:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="hicache-grammar")
             fut = self._pool.submit(self._compile, kind, text)
         self._cache[key] = fut
+        self._trim()
+        return RequestGrammar(kind, fut, self._stop_set)
+
+    def _trim(self) -> None:
+        """Drops the least recently used grammars past `CACHE_ENTRIES`, or while those compiled
+        hold more than `CACHE_BYTES` (the newest always stays; its requests hold it anyway)."""
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
-        return RequestGrammar(kind, fut, self._stop_set)
+        held = sum(_bytes(f) for f in self._cache.values())
+        while held > CACHE_BYTES and len(self._cache) > 1:
+            held -= _bytes(self._cache.popitem(last=False)[1])
 
     def cached(self) -> int:
         return len(self._cache)
@@ -169,6 +193,13 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bytes(fut: Future) -> int:
+    """The memory a compiled grammar holds (0 while compiling, or when it failed)."""
+    if not fut.done() or fut.exception() is not None:
+        return 0
+    return fut.result().memory_size_bytes
 
 
 class RequestGrammar:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from hicache.runtime.stop import StopChecker
 
 JOIN_TOKENS = 2  # the request's last tokens encoded with the forced text (its left edge)
-MAX_JUMP_TOKENS = 128  # tokens one jump appends at most
+MAX_JUMP_TOKENS = 32  # tokens one jump appends at most
 BYTES_PER_TOKEN = 8  # forced bytes looked for per token a jump may append
 
 
