@@ -1,8 +1,8 @@
 """Grammar-constrained decoding with XGrammar: checking, compiling, and one matcher per request.
 
 - `check_grammar(kind, text)` parses a grammar without a tokenizer (a fraction of a millisecond to
-  milliseconds; the texts that parsed are remembered, so that a batch of requests with one schema
-  parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
+  milliseconds; the texts up to 64 Ki characters that parsed are remembered, so that a batch of
+  requests with one schema parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
   regex or EBNF is a 400 naming the field before anything is queued; so is a schema keyword the
   grammar would not enforce (`runtime/schema_keywords.py`).
 - `GrammarCompiler` belongs to the scheduler. It records a step's tokens for their matchers
@@ -48,18 +48,23 @@ CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
 CACHE_BYTES = 1 << 28  # and at most this much memory of compiled grammars (XGrammar's measure)
 MAX_GRAMMAR_TEXT = 1 << 20  # characters of a grammar's text
 MAX_GRAMMAR_CHARS = 1 << 18  # characters of a grammar's EBNF form
+CACHED_TEXT = 1 << 16  # the longest grammar text whose check is remembered
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
 # models otherwise fall into endless runs of newlines.
 MAX_JSON_WHITESPACE = 16
 
 
-@functools.lru_cache(maxsize=CACHE_ENTRIES)  # an exception is not cached: a bad text is parsed again
 def check_grammar(kind: str, text: str) -> None:
     """Parses `text` as a grammar of `kind` (json_schema, regex, ebnf, structural_tag); raises
     ValueError starting with `kind` when it is not one, or when it is too large to compile: its
     text longer than `MAX_GRAMMAR_TEXT` characters (refused before parsing) or its grammar's EBNF
-    form longer than `MAX_GRAMMAR_CHARS` (the time and memory of a compilation grow with it)."""
+    form longer than `MAX_GRAMMAR_CHARS` (the time and memory of a compilation grow with it).
+    Texts up to `CACHED_TEXT` characters that passed are remembered."""
+    (_check_remembered if len(text) <= CACHED_TEXT else _check)(kind, text)
+
+
+def _check(kind: str, text: str) -> None:
     if len(text) > MAX_GRAMMAR_TEXT:
         raise ValueError(f"{kind} is too long: {len(text)} characters, at most {MAX_GRAMMAR_TEXT} are accepted")
     why = _unenforced_keyword(text) if kind == "json_schema" else None
@@ -89,6 +94,9 @@ def _parse(kind: str, text: str):
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: a structure lacks {e}") from None
     except (ValueError, RuntimeError, TypeError) as e:  # json, xgrammar's parsers
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: {_short(e)}") from None
+
+
+_check_remembered = functools.lru_cache(maxsize=CACHE_ENTRIES)(_check)  # an exception is not cached
 
 
 def _unenforced_keyword(text: str) -> str | None:
@@ -154,13 +162,13 @@ class GrammarCompiler:
         return RequestGrammar(kind, fut, self._stop_set)
 
     def _trim(self) -> None:
-        """Drops the least recently used grammars past `CACHE_ENTRIES`, or while those compiled
-        hold more than `CACHE_BYTES` (the newest always stays; its requests hold it anyway)."""
+        """Drops the least recently used grammars past `CACHE_ENTRIES`, or while they hold more
+        than `CACHE_BYTES` (the newest always stays; its requests hold it anyway)."""
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
-        held = sum(_bytes(f) for f in self._cache.values())
+        held = sum(_bytes(key, fut) for key, fut in self._cache.items())
         while held > CACHE_BYTES and len(self._cache) > 1:
-            held -= _bytes(self._cache.popitem(last=False)[1])
+            held -= _bytes(*self._cache.popitem(last=False))
 
     def cached(self) -> int:
         return len(self._cache)
@@ -195,11 +203,11 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _bytes(fut: Future) -> int:
-    """The memory a compiled grammar holds (0 while compiling, or when it failed)."""
+def _bytes(key: tuple[str, str], fut: Future) -> int:
+    """The memory a cached grammar holds: its text, and once compiled what XGrammar reports."""
     if not fut.done() or fut.exception() is not None:
-        return 0
-    return fut.result().memory_size_bytes
+        return len(key[1])
+    return len(key[1]) + fut.result().memory_size_bytes
 
 
 class RequestGrammar:

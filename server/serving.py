@@ -139,8 +139,8 @@ def check_fits(tm: TokenizerManager, chars: int, param: str) -> None:
         return
     limit, per_token = tm.token_limit, tm.longest_token_chars
     if chars > limit * per_token:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the {param} hold "
-                       f"{chars} characters, more than {limit} tokens can hold (a token stands for at most "
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the prompt ({param}) "
+                       f"holds {chars} characters, more than {limit} tokens can hold (a token stands for at most "
                        f"{per_token} characters, so at most {limit * per_token} characters fit). "
                        "Please reduce the prompt.", param=param, code="context_length_exceeded")
 
