@@ -84,7 +84,7 @@ def _parse(kind: str, text: str):
     try:
         if kind == "json_schema":
             json.loads(text)  # a clearer message than the converter's for plain JSON errors
-            return xgr.Grammar.from_json_schema(text)
+            return xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)  # as compiled
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "ebnf":
