@@ -15,7 +15,7 @@ import pytest
 from hicache.runtime.grammar import MAX_GRAMMAR_CHARS
 
 pytestmark = pytest.mark.model
-PROBE_WITHIN_S = 5  # generous on a loaded 2-core machine: an unloaded probe takes a fraction of a second
+PROBE_WITHIN_S = 10  # generous on a loaded 2-core machine: an unloaded probe takes about a second
 PROBE = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
 
@@ -114,11 +114,11 @@ def test_a_grammar_forcing_endless_text_is_served_within_its_length(server):
 
 
 def test_short_requests_are_served_between_the_chunks_of_a_long_prompt(server):
-    """A prompt of nearly the whole context is computed in chunks over many seconds on CPU:
-    short requests are admitted beside its chunks and decode in each of them, rather than
-    waiting until it is computed."""
-    ids = [(7 * i) % 40_000 + 100 for i in range(3800)]
-    attack = Attack(server.url, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
-    latencies = probe_while(server, attack)
+    """Two prompts of nearly the whole context are computed in chunks over many seconds on CPU:
+    short requests are admitted beside their chunks and decode in each of them, rather than
+    waiting until they are computed."""
+    prompts = [[(7 * i + k) % 40_000 + 100 for i in range(3800)] for k in (0, 1)]
+    attack = Attack(server.url, "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1}})
+    latencies = probe_while(server, attack, probes=2)
     assert max(latencies) < PROBE_WITHIN_S, latencies
     assert attack.response.status_code == 200, attack.response.text
