@@ -1,15 +1,16 @@
 """Grammar-constrained decoding with XGrammar: checking, compiling, and one matcher per request.
 
 - `check_grammar(kind, text)` parses a grammar without a tokenizer (a fraction of a millisecond to
-  milliseconds; the texts that parsed are remembered, so that a batch of requests with one schema
-  parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
+  milliseconds; the texts up to 64 Ki characters that parsed are remembered, so that a batch of
+  requests with one schema parses it once): the front end calls it through `SamplingParams.from_dict`, so a bad schema,
   regex or EBNF is a 400 naming the field before anything is queued; so is a schema keyword the
   grammar would not enforce (`runtime/schema_keywords.py`).
 - `GrammarCompiler` belongs to the scheduler. It records a step's tokens for their matchers
   (`accept`), and compiles for the model's tokenizer on a small thread pool, so that the scheduler
   thread never waits for a compilation: a request stays in the queue until its grammar is ready,
   while the others keep running. Compiled grammars are cached by (kind, text) in an LRU (the
-  futures themselves: requests that arrive together share one compilation).
+  futures themselves: requests that arrive together share one compilation) bounded in entries and
+  in bytes. `check_grammar` bounds what one compilation may cost by the grammar's size.
 - `RequestGrammar` is a request's matcher. Invariant: it has accepted exactly the request's output
   tokens (`Scheduler.process_result` advances it as it appends a token; `sync` rolls it back to the
   outputs the request keeps when it is retracted), some of them perhaps still pending: a token
@@ -44,35 +45,58 @@ logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
 CACHE_ENTRIES = 256  # compiled grammars kept (least recently used first out)
+CACHE_BYTES = 1 << 28  # and at most this much memory of compiled grammars (XGrammar's measure)
+MAX_GRAMMAR_TEXT = 1 << 20  # characters of a grammar's text
+MAX_GRAMMAR_CHARS = 1 << 18  # characters of a grammar's EBNF form
+CACHED_TEXT = 1 << 16  # the longest grammar text whose check is remembered
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what OpenAI's response_format json_object asks for
 # JSON may hold any whitespace between tokens, but a run of at most this many characters: small
 # models otherwise fall into endless runs of newlines.
 MAX_JSON_WHITESPACE = 16
 
 
-@functools.lru_cache(maxsize=CACHE_ENTRIES)  # an exception is not cached: a bad text is parsed again
 def check_grammar(kind: str, text: str) -> None:
     """Parses `text` as a grammar of `kind` (json_schema, regex, ebnf, structural_tag); raises
-    ValueError starting with `kind` when it is not one."""
-    import xgrammar as xgr
+    ValueError starting with `kind` when it is not one, or when it is too large to compile: its
+    text longer than `MAX_GRAMMAR_TEXT` characters (refused before parsing) or its grammar's EBNF
+    form longer than `MAX_GRAMMAR_CHARS` (the time and memory of a compilation grow with it).
+    Texts up to `CACHED_TEXT` characters that passed are remembered."""
+    (_check_remembered if len(text) <= CACHED_TEXT else _check)(kind, text)
 
+
+def _check(kind: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_TEXT:
+        raise ValueError(f"{kind} is too long: {len(text)} characters, at most {MAX_GRAMMAR_TEXT} are accepted")
     why = _unenforced_keyword(text) if kind == "json_schema" else None
     if why is not None:
         raise ValueError(f"{kind} is a schema the output could break: {why}; remove it or reword the schema")
+    size = len(str(_parse(kind, text)))
+    if size > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{kind} is too large to compile: its grammar holds {size} characters in EBNF form, "
+                         f"at most {MAX_GRAMMAR_CHARS} are accepted; use fewer properties, enum values or alternatives")
+
+
+def _parse(kind: str, text: str):
+    """`text` parsed as an `xgrammar.Grammar` of `kind`; ValueError starting with `kind` when it is
+    not one."""
+    import xgrammar as xgr
+
     try:
         if kind == "json_schema":
             json.loads(text)  # a clearer message than the converter's for plain JSON errors
-            xgr.Grammar.from_json_schema(text)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind == "ebnf":
-            xgr.Grammar.from_ebnf(text)
-        else:
-            xgr.Grammar.from_structural_tag(*structural_tag_args(text))
+            return xgr.Grammar.from_json_schema(text, max_whitespace_cnt=MAX_JSON_WHITESPACE)  # as compiled
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "ebnf":
+            return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_structural_tag(*structural_tag_args(text))
     except KeyError as e:  # a structure of the older structural tag form lacks a key
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: a structure lacks {e}") from None
     except (ValueError, RuntimeError, TypeError) as e:  # json, xgrammar's parsers
         raise ValueError(f"{kind} is not a valid {_NAMES[kind]}: {_short(e)}") from None
+
+
+_check_remembered = functools.lru_cache(maxsize=CACHE_ENTRIES)(_check)  # an exception is not cached
 
 
 def _unenforced_keyword(text: str) -> str | None:
@@ -134,9 +158,17 @@ class GrammarCompiler:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="hicache-grammar")
             fut = self._pool.submit(self._compile, kind, text)
         self._cache[key] = fut
+        self._trim()
+        return RequestGrammar(kind, fut, self._stop_set)
+
+    def _trim(self) -> None:
+        """Drops the least recently used grammars past `CACHE_ENTRIES`, or while they hold more
+        than `CACHE_BYTES` (the newest always stays; its requests hold it anyway)."""
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
-        return RequestGrammar(kind, fut, self._stop_set)
+        held = sum(_bytes(key, fut) for key, fut in self._cache.items())
+        while held > CACHE_BYTES and len(self._cache) > 1:
+            held -= _bytes(*self._cache.popitem(last=False))
 
     def cached(self) -> int:
         return len(self._cache)
@@ -171,6 +203,13 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _bytes(key: tuple[str, str], fut: Future) -> int:
+    """The memory a cached grammar holds: its text, and once compiled what XGrammar reports."""
+    if not fut.done() or fut.exception() is not None:
+        return len(key[1])
+    return len(key[1]) + fut.result().memory_size_bytes
+
+
 class RequestGrammar:
     """One request's grammar state. Only the scheduler thread uses it; its matcher is also fed and
     read on the filler's thread, by the job `_inflight` (`BitmaskFiller.start`)."""
@@ -197,6 +236,11 @@ class RequestGrammar:
         if not self._compiled.done() or self._compiled.exception() is None:
             return None
         return f"{self.kind}: the grammar did not compile: {_short(self._compiled.exception())}"
+
+    @property
+    def tokenizer_info(self):
+        """The compiled grammar's `xgrammar.TokenizerInfo` (once compiled)."""
+        return self._compiled.result().tokenizer_info
 
     def look(self) -> bool:
         """Whether the request may run now (compiled without error); remembered in `seen_ready`."""

@@ -1,8 +1,9 @@
 """`BudgetPolicy`: the scheduler's budget decisions, apart from its bookkeeping.
 
 How many prompt tokens a step may take (`max_prefill_tokens`) and a request may take in one step
-(`chunked_prefill_size`), how many requests run together, in which order waiting requests are
-considered (`schedule_policy`), which request is retracted when L1 runs out, and how much of L1
+(`chunked_prefill_size`), how much of a step the chunks of running prompts may take beside short
+waiting prompts and decoding requests, how many requests run together, in which order waiting
+requests are considered (`schedule_policy`), which request is retracted when L1 runs out, and how much of L1
 one prefill step may hold when steps are launched ahead with an L2 to load back from, and which
 requests sit out a prefill step while their prefix loads back.
 """
@@ -18,7 +19,10 @@ SHARED_PREFILL_MIN = 64
 # Of a running request's output still to come, the share an admission keeps room for when the
 # request may stop early (EOS, stop strings), and at most this many tokens of it (as SGLang).
 NEW_TOKEN_RATIO, NEW_TOKENS_CLIP = 0.5, 4096
-PREFILL_TOKENS_CUDA, PREFILL_TOKENS_CPU = 8192, 1024  # max_prefill_tokens's auto values
+PREFILL_TOKENS_CUDA, PREFILL_TOKENS_CPU = 8192, 256  # max_prefill_tokens's auto values
+# On CPU (max_prefill_tokens auto), the running prompts' chunks of a step while short prompts
+# wait or other requests decode beside them
+PREFILL_TOKENS_CPU_SHARED = 64
 
 
 class BudgetPolicy:
@@ -27,6 +31,7 @@ class BudgetPolicy:
         self.page_size = page_size
         self.decode_while_loading = rc.features(cuda).decode_while_loading
         self.max_prefill_tokens = rc.max_prefill_tokens or (PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS_CPU)
+        self.shared_prefill_tokens = None if rc.max_prefill_tokens or cuda else PREFILL_TOKENS_CPU_SHARED
         self.max_running = rc.max_running_requests
         self.max_adapters = rc.max_loras_per_batch
         self.chunk_size = rc.chunked_prefill_size
@@ -42,6 +47,19 @@ class BudgetPolicy:
         """Prompt tokens of `req`'s next chunk from `start` (default: its computed KV) within `budget`."""
         n = min(req.seq_len - (req.kv_len if start is None else start), budget)
         return min(n, self.chunk_size) if self.chunk_size > 0 else n
+
+    def running_share(self, budget: int, waiting: Sequence[Req], running: Sequence[Req]) -> int:
+        """Of a prefill step's `budget`, the prompt tokens the running requests' next chunks may
+        take: less half of it while a waiting request's whole prompt fits in that half, so that
+        a short prompt is not queued behind every chunk of a long one; on CPU, at most
+        `shared_prefill_tokens` while such a prompt waits or running requests decode (they join
+        the step): each step delays them by what its chunks take."""
+        half = budget // 2
+        short = any(0 < r.prompt_left <= half for r in waiting)
+        share = budget - half if short else budget
+        if self.shared_prefill_tokens is not None and (short or any(r.phase is Status.DECODE for r in running)):
+            share = min(share, self.shared_prefill_tokens)
+        return share
 
     def order(self, waiting: Sequence[Req], cached_tokens: Callable[[Req], int] | None) -> list[Req]:
         """Waiting requests in the order admission considers them: arrival (fcfs), or the longest

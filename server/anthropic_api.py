@@ -34,6 +34,7 @@ from hicache.server.serving import (
     check_prompt,
     check_sampling,
     collect,
+    encode,
     first_then_rest,
     make_requests,
     render_chat,
@@ -91,7 +92,7 @@ async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
     tm = tm_of(request)
     model = resolve_model(request, body.model)
-    ids, plan = _prompt(request, body)
+    ids, plan = await _prompt(request, body)
     sampling = {**plan.constraint, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                 "stop": body.stop_sequences, "max_new_tokens": resolve_max_tokens(tm, len(ids), body.max_tokens,
                                                                                    "max_tokens")}
@@ -116,13 +117,13 @@ async def messages(request: Request):
 async def count_tokens(request: Request) -> dict:
     body = await parse_body(request, CountTokensRequest)
     resolve_model(request, body.model)
-    return {"input_tokens": len(_prompt(request, body)[0])}
+    return {"input_tokens": len((await _prompt(request, body))[0])}
 
 
 # ---- the prompt -----------------------------------------------------------------------------
 
 
-def _prompt(request: Request, body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
+async def _prompt(request: Request, body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
     """The conversation in the chat template, with the tools; a final assistant turn is continued,
     not closed."""
     if body.thinking is not None and body.thinking.get("type") != "disabled":
@@ -136,7 +137,8 @@ def _prompt(request: Request, body: CountTokensRequest) -> tuple[list[int], Tool
     except ToolError as e:
         raise bad_request(e) from None
     tm = tm_of(request)
-    ids = render_chat(tm, plan.messages, "messages", plan.template_tools) + (tm.encode(prefill) if prefill else [])
+    ids = await render_chat(tm, plan.messages, "messages", plan.template_tools)
+    ids += await encode(tm, prefill, "messages") if prefill else []
     check_prompt(tm, ids, "messages")
     return ids, plan
 

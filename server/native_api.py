@@ -39,6 +39,7 @@ from hicache.server.serving import (
     check_prompt,
     check_sampling,
     collect,
+    encode,
     first_then_rest,
     make_requests,
     resolve_max_tokens,
@@ -61,7 +62,7 @@ NATIVE_RENAMES = {k: f"sampling_params.{k}" for k in (*GRAMMAR_KINDS, *INERT_VAL
 async def generate(request: Request):
     body = await parse_body(request, GenerateReqInput)
     tm = tm_of(request)
-    prompts, batched = _native_prompts(tm, body)
+    prompts, batched = await _native_prompts(tm, body)
     params = _native_sampling(tm, body.sampling_params or {}, prompts)
     rid = body.rid or uuid.uuid4().hex
     _check_logprob_start(body.logprob_start_len, prompts)
@@ -117,13 +118,13 @@ def _native_sampling(tm: TokenizerManager, sampling: dict, prompts: list[list[in
     return replace(params, max_new_tokens=min(limits))
 
 
-def _native_prompts(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
+async def _native_prompts(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "exactly one of text and input_ids must be given", param="text", code="invalid_value")
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         try:
-            prompts = [tm.encode(t) for t in texts]
+            prompts = [await encode(tm, t, "text") for t in texts]
         except ValueError as e:
             raise APIError(400, str(e), param="text", code="invalid_value") from None
         batched, param = not isinstance(body.text, str), "text"

@@ -35,6 +35,7 @@ from hicache.server.serving import (
     check_prompt,
     check_sampling,
     collect,
+    encode,
     first_then_rest,
     make_requests,
     render_chat,
@@ -124,7 +125,7 @@ async def chat(request: Request):
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return _loaded(body, "message")
     plan = _plan(request, body)
-    ids = render_chat(tm, plan.messages, "messages", plan.template_tools)
+    ids = await render_chat(tm, plan.messages, "messages", plan.template_tools)
     return await _run(request, tm, body, ids, "message", plan)
 
 
@@ -140,11 +141,11 @@ async def generate(request: Request):
         if body.system:
             raise APIError(400, "system: a raw prompt is not templated, so it takes no system prompt",
                            param="system", code="invalid_value")
-        ids += _encode(tm, body.prompt)
+        ids += await _encode(tm, body.prompt)
     else:
         turns = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
-        ids += render_chat(tm, turns, "prompt")
+        ids += await render_chat(tm, turns, "prompt")
     check_prompt(tm, ids, "prompt")
     return await _run(request, tm, body, ids, "response")
 
@@ -215,9 +216,9 @@ def _loaded(body: Common, key: str) -> dict:
     return {"model": body.model, "created_at": _now(), key: empty, "done": True, "done_reason": "load"}
 
 
-def _encode(tm: TokenizerManager, text: str) -> list[int]:
+async def _encode(tm: TokenizerManager, text: str) -> list[int]:
     try:
-        return tm.encode(text)
+        return await encode(tm, text, "prompt")
     except ValueError as e:
         raise APIError(400, f"prompt: {e}", param="prompt", code="invalid_value") from None
 

@@ -19,6 +19,7 @@ from hicache.server.serving import (
     check_prompt,
     check_sampling,
     collect,
+    encode,
     first_then_rest,
     make_requests,
     render_chat,
@@ -83,7 +84,7 @@ async def chat_completions(request: Request):
     tm = tm_of(request)
     model = resolve_model(request, body.model)
     tools = plan_tools(body, request)
-    ids = render_chat(tm, tools.messages, "messages", tools.template_tools)
+    ids = await render_chat(tm, tools.messages, "messages", tools.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     job = _Job("chat", body.rid or f"chatcmpl-{uuid.uuid4().hex}", model.name, [ids], body.n, body.logprobs,
                created=int(time.time()), tools=tools, lora_path=model.lora_path)
@@ -101,14 +102,14 @@ async def completions(request: Request):
     if body.best_of not in (None, body.n):
         raise APIError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
                        param="best_of", code="unsupported")
-    prompts = _prompt_ids(tm, body.prompt)
+    prompts = await _prompt_ids(tm, body.prompt)
     echo = [tm.tokenizer.decode(p) if tm.tokenizer else "" for p in prompts] if body.echo else None
     job = _Job("text", body.rid or f"cmpl-{uuid.uuid4().hex}", model.name, prompts, body.n,
                body.logprobs is not None, echo=echo, created=int(time.time()), lora_path=model.lora_path)
     return await _run(request, tm, body, job, body.max_tokens, body.logprobs or 0)
 
 
-def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
+async def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -118,7 +119,7 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
     if not items:
         raise APIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
     try:
-        prompts = [tm.encode(p) if isinstance(p, str) else list(p) for p in items]
+        prompts = [await encode(tm, p, "prompt") if isinstance(p, str) else list(p) for p in items]
     except ValueError as e:
         raise APIError(400, str(e), param="prompt", code="invalid_value") from None
     for p in prompts:

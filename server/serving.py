@@ -147,14 +147,50 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
                        code="invalid_value")
 
 
-def render_chat(tm: TokenizerManager, messages: list[dict], param: str, tools: list[dict] | None = None) -> list[int]:
-    """The checked token ids of `messages` (and `tools`) in the chat template, with the assistant prompt."""
+async def render_chat(tm: TokenizerManager, messages: list[dict], param: str,
+                      tools: list[dict] | None = None) -> list[int]:
+    """The checked token ids of `messages` (and `tools`) in the chat template, with the assistant
+    prompt, rendered and tokenized off the event loop; messages whose text cannot fit the context
+    by its length alone are refused first (`check_fits`)."""
+    check_fits(tm, sum(map(_content_chars, messages)), param)
     try:
-        ids = tm.apply_chat_template(messages, tools)
+        ids = await asyncio.to_thread(tm.apply_chat_template, messages, tools)
     except (ValueError, TemplateError) as e:  # a template's raise_exception: e.g. roles that do not alternate
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
     check_prompt(tm, ids, param)
     return ids
+
+
+async def encode(tm: TokenizerManager, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+    """`text`'s token ids, tokenized off the event loop (ValueError: the model has no tokenizer);
+    a text that cannot fit the context by its length alone is refused first (`check_fits`)."""
+    check_fits(tm, len(text), param)
+    return await asyncio.to_thread(tm.encode, text, add_special_tokens)
+
+
+def check_fits(tm: TokenizerManager, chars: int, param: str) -> None:
+    """A 400 (`context_length_exceeded`) for a prompt of `chars` characters that holds more tokens
+    than the context by its length alone: a token stands for at most `longest_token_chars` of
+    them. Refused so without tokenizing it, which costs time and memory in proportion."""
+    if tm.tokenizer is None:
+        return
+    limit, per_token = tm.token_limit, tm.longest_token_chars
+    if chars > limit * per_token:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the prompt ({param}) "
+                       f"holds {chars} characters, more than {limit} tokens can hold (a token stands for at most "
+                       f"{per_token} characters, so at most {limit * per_token} characters fit). "
+                       "Please reduce the prompt.", param=param, code="context_length_exceeded")
+
+
+def _content_chars(message: dict) -> int:
+    """The characters of a message's content (a string, or parts with text), which any chat
+    template writes into the prompt."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, requested: int | None, param: str) -> int:

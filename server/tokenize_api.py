@@ -4,6 +4,7 @@ renders a conversation with the model's chat template as text (the frontend lang
 roles with it)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Optional, Union
 
 from fastapi import APIRouter, Request
@@ -43,7 +44,7 @@ async def tokenize(request: Request) -> dict:
     tm = tm_of(request)
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     try:
-        tokens = [tm.encode(t, body.add_special_tokens) for t in texts]
+        tokens = [await asyncio.to_thread(tm.encode, t, body.add_special_tokens) for t in texts]
     except ValueError as e:
         raise APIError(400, str(e), param="prompt", code="invalid_value") from None
     counts = [len(t) for t in tokens]

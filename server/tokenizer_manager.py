@@ -19,6 +19,7 @@ and the server exits non-zero so that its supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -158,6 +159,13 @@ class TokenizerManager:
         return merge_replicas(per, self.router.stats(), self.cache_config.hicache_storage_backend != "memory")
 
     # ---- tokenization -----------------------------------------------------------------------
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for, measured on its entries as
+        the tokenizer writes them (a character or more per byte), so that a text of C characters
+        holds at least C / this many tokens. ValueError when the model has no tokenizer."""
+        return max(map(len, self._tok().get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Raises ValueError when the model has no tokenizer (send input_ids instead)."""

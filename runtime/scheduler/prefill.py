@@ -36,10 +36,12 @@ class PrefillPlanner:
         self.page_size = cache.page_size
 
     def plan(self, after: BatchPlan | None = None) -> BatchPlan | None:
-        """A prefill batch: running requests' next chunks (those in `Status.PREFILL`, by arrival),
-        then admissions in policy order. With `after` (launched, not applied), the running requests
-        are its own: their next chunks start where its chunks end, and memory comes from the free
-        pool and the tree only."""
+        """A prefill batch: running requests' next chunks (those in `Status.PREFILL`, by arrival,
+        within `BudgetPolicy.running_share`), then admissions in policy order. Where it computes
+        a chunk of a prompt that goes on after it, or a forced run, the decoding requests join it
+        (one token each), so that they do not wait for every chunk of a long prompt. With `after`
+        (launched, not applied), the running requests are its own: their next chunks start where
+        its chunks end, and memory comes from the free pool and the tree only."""
         waiting = self.queue.has_waiting()
         self.cache.before_prefill(sum(r.prompt_left for r in (*self.queue.waiting, *self.queue.running)), waiting,
                                   decoding=waiting and any(r.phase is Status.DECODE for r in self.queue.running))
@@ -53,11 +55,14 @@ class PrefillPlanner:
                 if added == 0:  # no budget, or no room without retracting: plan once `after` is applied
                     return None
                 budget -= added
+            self._admit_waiting(plan, budget, budget, after)
         else:
-            budget = self._continue_running(plan, budget)
-            if any(r.grammar is not None and plan.past_prompt(i) for i, r in enumerate(plan.reqs)):
-                self.decode.plan(plan)  # a forced run (jump-forward) is computed with the decoding requests
-        self._admit_waiting(plan, budget, after)
+            share = self.policy.running_share(budget, self.queue.waiting, self.queue.running)
+            budget -= share - self._continue_running(plan, share)
+            self._admit_waiting(plan, budget, share, after)
+            if not all(plan.sample) or any(r.grammar is not None and plan.past_prompt(i)
+                                           for i, r in enumerate(plan.reqs)):
+                self.decode.plan(plan)  # the decoding requests join a chunk of a long prompt or a forced run
         return plan if plan.reqs else None
 
     def _continue_running(self, plan: BatchPlan, budget: int) -> int:
@@ -69,7 +74,9 @@ class PrefillPlanner:
                     budget -= self._add_chunk(plan, req, budget)
         return budget
 
-    def _admit_waiting(self, plan: BatchPlan, budget: int, after: BatchPlan | None) -> None:
+    def _admit_waiting(self, plan: BatchPlan, budget: int, share: int, after: BatchPlan | None) -> None:
+        """Admissions within `budget`; a prompt that does not fit in it whole gets a first chunk
+        of at most `share` (`BudgetPolicy.running_share`), as the running prompts' chunks do."""
         ahead = frozenset(id(r) for r in after.reqs) if after is not None else frozenset()
         cached = None if self.cache.disabled else (lambda r: self.cache.match(r.all_ids[:r.prefix_limit],
                                                                               r.namespace).tokens)
@@ -96,7 +103,7 @@ class PrefillPlanner:
                 continue  # the forced text alone reached a stop or the length limit
             if self._waits_for_prefill(req, cached):
                 continue  # a running request is computing most of its prompt: it finds it cached next
-            n = self._admit(req, budget, after)
+            n = self._admit(req, budget if req.prompt_left <= budget else min(budget, share), after)
             if n == 0:
                 break
             self.cache.refresh(req.lease)

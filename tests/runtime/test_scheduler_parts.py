@@ -14,7 +14,7 @@ from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.counters import Counters
 from hicache.runtime.grammar import GrammarCompiler
 from hicache.runtime.jump_forward import JumpForward
-from hicache.runtime.policy import BudgetPolicy
+from hicache.runtime.policy import PREFILL_TOKENS_CPU, PREFILL_TOKENS_CPU_SHARED, BudgetPolicy
 from hicache.runtime.request import Req, Status
 from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.scheduler.decode import DecodePlanner
@@ -226,6 +226,40 @@ def test_prefill_planner_admits_only_what_can_finish_without_retraction():
             queue.add(r)
         plan = planner.plan()
         assert [r.rid for r in plan.reqs] == admitted, conservativeness
+
+
+def test_a_short_prompt_is_admitted_beside_the_chunks_of_a_long_one():
+    """A long prompt's chunks leave half the step to a waiting prompt that fits in it whole,
+    rather than taking every step's whole budget until the long one is computed."""
+    queue, cache = QueueState(), FakeCache(capacity=2048)
+    rc = RuntimeConfig(chunked_prefill_size=-1, max_prefill_tokens=96)
+    planner = prefill_planner(queue, cache, BudgetPolicy(rc, PAGE, 2048, False, False), Counters())
+    long = running(queue, cache, req("long", 800, seq=0), kv=96)
+    plan = planner.plan()
+    assert plan.reqs == [long] and plan.extend_lens == [96]  # alone, it takes the whole step
+    long.kv_len = 192
+    short = req("short", 20, max_new=4, seq=1)
+    queue.add(short)
+    plan = planner.plan()
+    assert plan.reqs == [long, short] and plan.extend_lens == [48, 20] and plan.sample == [False, True]
+    assert queue.running == (long, short)
+    queue.add(other := req("other", 60, seq=2))  # more than half the step: it waits its turn
+    long.kv_len, short.kv_len, short.output_ids = 240, 20, [7]
+    plan = planner.plan()
+    assert [r.rid for r in plan.reqs] == ["long", "short"] and plan.extend_lens == [96, 1] and other.kv_len == 0
+
+
+def test_decoding_requests_join_each_chunk_of_a_long_prompt():
+    """Requests that decode get their next token in every step that computes a chunk of a long
+    prompt; on CPU (max_prefill_tokens auto) the chunks are smaller meanwhile."""
+    queue, cache = QueueState(), FakeCache(capacity=8192)
+    planner = prefill_planner(queue, cache, BudgetPolicy(RuntimeConfig(), PAGE, 8192, False, False), Counters())
+    long = running(queue, cache, req("long", 4000, seq=0), kv=1024)
+    assert planner.plan().extend_lens == [PREFILL_TOKENS_CPU]  # nobody decodes: the CPU step's whole budget
+    dec = running(queue, cache, req("dec", 10, seq=1), kv=10, outputs=[5])
+    plan = planner.plan()
+    assert plan.mode == "extend" and plan.reqs == [long, dec] and plan.joined
+    assert (plan.starts, plan.extend_lens, plan.sample) == ([1024, 10], [PREFILL_TOKENS_CPU_SHARED, 1], [False, True])
 
 
 def prefill_planner(queue, cache, policy, counters) -> PrefillPlanner:
