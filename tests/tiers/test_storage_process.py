@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import struct
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
+from lmdb_corrupt import corrupt_value_nodes
 from test_remote import results
 
 NS = "5ea15ea15ea15ea1"
@@ -220,29 +220,6 @@ def test_a_child_whose_server_died_still_lands_its_queued_backups(tmp_path):
     backend = make_backend("lmdb", NS, path=str(tmp_path))
     assert [backend.batch_exists(keys(32, str(i))) for i in range(4)] == [32] * 4
     backend.close()
-
-
-def corrupt_value_nodes(data_mdb: Path) -> int:
-    """Overwrites the B-tree's leaf nodes of large values (LMDB's F_BIGDATA: the value lives in
-    overflow pages) with a size of about 2 GiB: LMDB's checks pass, and reading such a value runs
-    off its map (SIGBUS or SIGSEGV). Returns the nodes overwritten."""
-    data, psize, page, smashed = bytearray(data_mdb.read_bytes()), 4096, 2, 0
-    while page < len(data) // psize:
-        base = page * psize
-        flags, lower = struct.unpack_from("<HH", data, base + 10)
-        if flags & 4:  # P_OVERFLOW: skip the value's pages
-            page += struct.unpack_from("<I", data, base + 12)[0]
-            continue
-        page += 1
-        if not flags & 2:  # P_LEAF
-            continue
-        for i in range((lower - 16) // 2):
-            node = base + struct.unpack_from("<H", data, base + 16 + 2 * i)[0]
-            if struct.unpack_from("<H", data, node + 4)[0] & 1:  # F_BIGDATA
-                struct.pack_into("<HH", data, node, 0xFFFF, 0x7FFF)
-                smashed += 1
-    data_mdb.write_bytes(bytes(data))
-    return smashed
 
 
 def test_a_store_that_crashes_the_child_is_quarantined_and_a_fresh_one_serves(tmp_path):
