@@ -33,7 +33,7 @@ from hicache.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CAP_BYTES = 2 << 30  # on CPU the L1 pool shares RAM with everything else: keep it modest
+CPU_KV_CAP_BYTES = 512 << 20  # on CPU the L1 pool (zeroed: resident at once) shares RAM with everything else
 
 
 class Components(NamedTuple):
@@ -146,8 +146,8 @@ def storage_on(cc: HiCacheConfig, host_pool: HostKVPool | None) -> bool:
 
 def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype,
                     kv_heads: int) -> HostKVPool:
-    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM),
-    of pages of `kv_heads` heads (this rank's)."""
+    """L2: `hicache_size` GB (ValueError if the host lacks the RAM), or `hicache_ratio` x the L1
+    tokens (sized down to the RAM there is, with a warning), of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
     host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype,
                       cc.hicache_mem_layout, shared=cc.storage_process)
