@@ -212,7 +212,13 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)
     else:
-        budget = min(available_ram() * rc.mem_fraction_static * 0.25, CPU_KV_CAP_BYTES)
+        available = available_ram()
+        budget = available * rc.mem_fraction_static * 0.25
+        if budget < CPU_KV_CAP_BYTES:
+            logger.warning("L1: %.2f GiB of host memory is available: the KV pool is sized down to %.0f MiB (of %.0f "
+                           "MiB); pass max_total_tokens to insist on a size", available / 2**30, budget / 2**20,
+                           CPU_KV_CAP_BYTES / 2**20)
+        budget = min(budget, CPU_KV_CAP_BYTES)
     return int(max(budget, 0) // per_token) // page_size * page_size
 
 
