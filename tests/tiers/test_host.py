@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.tiers.gpu.pool import DeviceKVPool
-from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, available_ram, host_pool_tokens
+from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, available_ram, default_reserve, host_pool_tokens
 from hicache.tiers.host.transfer import HostTransferEngine
 
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -46,6 +46,14 @@ def test_a_ratio_that_does_not_fit_beside_other_processes_is_sized_down_with_a_w
         host_pool_tokens(10**6, per_token, 16, 2.0, 1.5, available=3 * GB, reserve=2 * GB)
     with pytest.raises(ValueError, match="Not enough host memory"):  # not even a page beyond the reserve
         host_pool_tokens(10**6, per_token, 16, 2.0, 0, available=2 * GB + 15 * per_token, reserve=2 * GB)
+
+
+def test_the_os_reserve_is_at_most_half_the_available_memory():
+    """Other processes hold most of the RAM (a server beside this one): the reserve shrinks with
+    what is left, so that a modest derived L2 still fits."""
+    assert default_reserve(64 * GB) <= 10 * 2**30
+    assert default_reserve(3 * GB) == 3 * GB // 2
+    assert host_pool_tokens(8192, 46080, 16, 2.0, 0, available=3 * GB) == 16384
 
 
 def test_real_ram_check_refuses_an_absurd_size_and_shrinks_an_absurd_ratio():

@@ -201,7 +201,7 @@ def test_a_child_whose_server_died_still_lands_its_queued_backups(tmp_path):
     the backups it was given before it exits."""
     script = textwrap.dedent(f"""
         import os, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]  # tests/tiers, tests
         from test_storage_process import shared_pool, keys
         from hicache.tiers.remote.process import StorageProcess
         pool = shared_pool(tokens=512)

@@ -165,8 +165,8 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, r
                      available: int | None = None, reserve: int | None = None) -> int:
     """L2 size in tokens: `size_gb` GB when > 0, else `ratio` x the L1 tokens; page-aligned.
 
-    It must fit in the available host memory minus a reserve for the OS (`reserve`: default the
-    smaller of 10 GiB and a fifth of physical RAM): a size derived from `ratio` that does not is
+    It must fit in the available host memory minus a reserve for the OS (`reserve`: default
+    `default_reserve`): a size derived from `ratio` that does not is
     sized down to what fits, with a warning (other processes may hold the memory: a second server
     starts); an explicit `size_gb` that does not, or a room short of one page, is a ValueError."""
     tokens = int(size_gb * GB) // bytes_per_token if size_gb > 0 else int(device_tokens * ratio)
@@ -175,7 +175,7 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, r
         raise ValueError(f"the host KV pool would hold {tokens} tokens, less than one page ({page_size}); "
                          "raise hicache_ratio or hicache_size")
     available = available_ram() if available is None else available
-    reserve = default_reserve() if reserve is None else reserve
+    reserve = default_reserve(available) if reserve is None else reserve
     need, room = tokens * bytes_per_token, available - reserve
     fit = max(room, 0) // bytes_per_token // page_size * page_size
     if need <= room:
@@ -204,6 +204,9 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_reserve() -> int:
+def default_reserve(available: int) -> int:
+    """Host memory kept for the OS and other processes: the smaller of 10 GiB and a fifth of
+    physical RAM, and at most half of what is `available` (where other processes already hold
+    most of the RAM, they keep half of the rest)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(10 * 2**30, total // 5)
+    return min(10 * 2**30, total // 5, available // 2)
