@@ -49,16 +49,16 @@ class Stream(threading.Thread):
 def test_sigterm_ends_every_open_stream_with_its_error_and_terminator_and_exits_cleanly():
     server = start_server(*LIGHT_FLAGS, "--graceful-shutdown-timeout", str(GRACE_S))
     chat = [{"role": "user", "content": "Tell a long story"}]
-    count = [{"role": "user", "content": "Count from 1 to 2000, one number a line, and say nothing else."}]
+    story = [{"role": "user", "content": "Write a very long story about a dragon, at least 3000 words."}]  # greedy: 1500+ tokens
     streams = {
         "native": Stream(server.url, "/generate", {"text": "Tell a long story", "stream": True,
                                                    "sampling_params": LONG}),
         "openai": Stream(server.url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": chat, "stream": True,
                                                               "max_tokens": 3000, "ignore_eos": True}),
-        "anthropic": Stream(server.url, "/v1/messages", {"model": MODEL_NAME, "messages": count, "stream": True,
-                                                         "max_tokens": 3000}),
-        "ollama": Stream(server.url, "/api/chat", {"model": MODEL_NAME, "messages": count, "stream": True,
-                                                   "options": {"num_predict": 3000}}),
+        "anthropic": Stream(server.url, "/v1/messages", {"model": MODEL_NAME, "messages": story, "stream": True,
+                                                         "max_tokens": 3000, "temperature": 0}),
+        "ollama": Stream(server.url, "/api/chat", {"model": MODEL_NAME, "messages": story, "stream": True,
+                                                   "options": {"num_predict": 3000, "temperature": 0}}),
     }
     try:
         for s in streams.values():
