@@ -2,13 +2,21 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# torch's CPU build (PyPI's default Linux build is a CUDA one of several GB): from the configured
+# indexes and wheel folders if one has it, else from PyTorch's CPU index, else (that index out of
+# reach) PyPI's build; a torch already in the virtual environment (a CUDA build installed by hand,
+# say) is kept
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup lint test test-all golden docs serve clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+		$(PY) -m pip install --quiet --timeout 30 --retries 1 --index-url $(TORCH_CPU_INDEX) \
+			"torch==$(TORCH_VERSION)+cpu" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

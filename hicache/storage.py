@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 HOST_SHARE = 0.8  # prefetches may hold at most this share of L2 at once (SGLang's capacity limit)
 # the backend's own health counters shown with the status (LMDB: a full map or disk)
-BACKEND_HEALTH = ("map_full", "write_failures", "disk_short", "dropped_pages", "disk_free_bytes")
+BACKEND_HEALTH = ("map_full", "write_failures", "disk_short", "dropped_pages", "disk_free_bytes", "process_crashes",
+                  "quarantined", "quarantined_stores")
 
 
 class StorageHolds(NamedTuple):

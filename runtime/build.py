@@ -35,7 +35,7 @@ from hicache.window import WindowPolicy
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CAP_BYTES = 2 << 30  # on CPU the L1 pool shares RAM with everything else: keep it modest
+CPU_KV_CAP_BYTES = 512 << 20  # on CPU the L1 pool (zeroed: resident at once) shares RAM with everything else
 
 
 class Components(NamedTuple):
@@ -179,8 +179,8 @@ def storage_on(cc: HiCacheConfig, host_pool: HostKVPool | None) -> bool:
 
 def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dtype: torch.dtype,
                     kv_heads: int) -> HostKVPool:
-    """L2: `hicache_size` GB, or `hicache_ratio` x the L1 tokens (ValueError if the host lacks the RAM),
-    of pages of `kv_heads` heads (this rank's)."""
+    """L2: `hicache_size` GB (ValueError if the host lacks the RAM), or `hicache_ratio` x the L1
+    tokens (sized down to the RAM there is, with a warning), of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
     host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.cache_head_dim, dtype,
                       cc.hicache_mem_layout, shared=cc.storage_process)
@@ -245,7 +245,13 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
         free, total = torch.cuda.mem_get_info(device)
         budget = free - total * (1 - rc.mem_fraction_static)
     else:
-        budget = min(available_ram() * rc.mem_fraction_static * 0.25, CPU_KV_CAP_BYTES)
+        available = available_ram()
+        budget = available * rc.mem_fraction_static * 0.25
+        if budget < CPU_KV_CAP_BYTES:
+            logger.warning("L1: %.2f GiB of host memory is available: the KV pool is sized down to %.0f MiB (of %.0f "
+                           "MiB); pass max_total_tokens to insist on a size", available / 2**30, budget / 2**20,
+                           CPU_KV_CAP_BYTES / 2**20)
+        budget = min(budget, CPU_KV_CAP_BYTES)
     return int(max(budget, 0) // per_token) // page_size * page_size
 
 

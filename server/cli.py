@@ -1,7 +1,8 @@
 """The `hicache` command: `hicache serve` (HTTP server) and `hicache stats` (per-tier cache stats).
 
 `serve` flags are generated from the config dataclasses (`RuntimeConfig`, `HiCacheConfig`,
-`ServerConfig`): SGLang's flag names, defaults and help written once, in those dataclasses.
+`ServerConfig`): SGLang's flag names, defaults and help written once, in those dataclasses; the
+secrets among them may come from a file or the environment instead (`secret_flags.py`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
 from hicache.server.config import ServerConfig
 from hicache.server.flags import add_dataclass_flags, config_from_args
+from hicache.server.secret_flags import add_secret_file_flags, resolve_secrets
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 
@@ -42,6 +44,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_dataclass_flags(parser, ServerConfig, "server")
     add_dataclass_flags(parser, RuntimeConfig, "model and scheduling")
     add_dataclass_flags(parser, HiCacheConfig, "KV cache")
+    add_secret_file_flags(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, RuntimeConfig, HiCacheConfig]:
-    """The configs of `hicache serve` (ValueError or TypeError on a bad value)."""
+    """The configs of `hicache serve`, the secrets the flags do not give read from their files or
+    the environment now (ValueError or TypeError on a bad value)."""
+    resolve_secrets(args, os.environ)
     return (config_from_args(ServerConfig, args), config_from_args(RuntimeConfig, args),
             config_from_args(HiCacheConfig, args))
 

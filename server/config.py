@@ -12,7 +12,7 @@ from hicache.server.tools import FORMATS as TOOL_CALL_FORMATS
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to bind; 0.0.0.0 exposes the server to the network."})
     port: int = field(default=30000, metadata={"help": "TCP port to listen on."})
-    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer <key>' on every route but /health."})
+    api_key: str | None = field(default=None, repr=False, metadata={"help": "Require 'Authorization: Bearer <key>' on every route but /health. On a shared machine give it with --api-key-file or $HICACHE_API_KEY: the command line is visible to every local user."})
     served_model_name: tuple[str, ...] = field(default=(), metadata={"help": "Model names (one or more, space-separated) that requests may name, besides --model-path as given; the first is the name responses report. Default: the model's own name."})
     max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest accepted request body in bytes (413 beyond)."})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})

@@ -1,9 +1,11 @@
 """`hicache serve`: start the scheduler process (one a replica under `--dp-size`), then uvicorn;
 stop them all on SIGTERM / Ctrl-C.
 
-Shutdown order: uvicorn stops accepting, gives in-flight requests `graceful_shutdown_timeout`
-seconds, then cancels them (their streams end and their requests are aborted); then the
-scheduler process is asked to exit, and terminated / killed if it does not. A SIGTERM while the
+Shutdown order (SIGTERM, Ctrl-C): uvicorn stops accepting and gives in-flight requests
+`graceful_shutdown_timeout` seconds; then every request still open is ended with a 503 (a stream:
+its family's error event and terminator, `[DONE]` for OpenAI's) and aborted (`DrainingServer`),
+and what has not finished `END_STREAMS_S` later is cancelled; then the scheduler process is asked
+to exit, and terminated / killed if it does not. The server exits 0. A SIGTERM while the
 model is still loading cancels the startup and stops the child as well. Either way the scheduler
 sockets' directory is removed.
 
@@ -32,6 +34,30 @@ from hicache.server.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("hicache.server")
 KEEP_ALIVE_S = 5
 EXIT_SCHEDULER_DIED = 3
+END_STREAMS_S = 5.0  # after the grace period, the time ended streams get to send their last events
+SHUTTING_DOWN = "the server is shutting down"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown ends the requests still open after `grace` seconds with an
+    error of their family rather than cutting their connections."""
+
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager, grace: float) -> None:
+        super().__init__(config)
+        self.tm, self.grace = tm, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.create_task(self._end_streams())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_streams(self) -> None:
+        await asyncio.sleep(self.grace)
+        n = self.tm.end_streams(SHUTTING_DOWN)
+        if n:
+            logger.info("shutting down: %d open requests ended with an error", n)
 
 
 def run(server_config: ServerConfig, runtime_config, cache_config, factory: str = DEFAULT_FACTORY) -> int:
@@ -77,10 +103,11 @@ async def _serve(server_config: ServerConfig, runtime_config, cache_config, fact
               file=sys.stderr, flush=True)
         await tm.start(server_config.startup_timeout)
         _ignore_signals()  # from here uvicorn owns SIGINT / SIGTERM (and re-raises them after its shutdown)
-        server = uvicorn.Server(uvicorn.Config(
+        grace = server_config.graceful_shutdown_timeout
+        server = DrainingServer(uvicorn.Config(
             create_app(tm, server_config), host=server_config.host, port=server_config.port,
-            log_level=server_config.log_level, timeout_graceful_shutdown=server_config.graceful_shutdown_timeout,
-            access_log=server_config.log_level == "debug", **http_options(server_config)))
+            log_level=server_config.log_level, timeout_graceful_shutdown=grace + END_STREAMS_S,
+            access_log=server_config.log_level == "debug", **http_options(server_config)), tm, grace)
         tm.on_fatal = lambda _reason: setattr(server, "should_exit", True)
         server.should_exit = tm.fatal_reason is not None
         announce = asyncio.create_task(_announce(server, server_config, tm))

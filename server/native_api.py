@@ -183,17 +183,21 @@ async def _native_sse(reqs: list[GenerateRequest], stream: AsyncIterator, multi:
 async def health(request: Request):
     """200 while the scheduler runs. `details.storage` is the L3 tier's state ("ok", "degraded:
     <why>" while its backend is unreachable or its LMDB path cannot be opened: the server still
-    serves, recomputing, "disabled")."""
+    serves, recomputing, "disabled"); `details.storage_quarantined`, present once a store that
+    crashed the storage process was moved aside, is where it went."""
     tm = tm_of(request)
     if not tm.alive:
         return error_response(503, tm.redact(tm.dead_reason or "scheduler process is not running"),
                               code="service_unavailable")
+    details = {}
     try:
         storage = tm.stats().get("tiers", {}).get("storage", {})
-        state = storage.get("status", "ok") if storage.get("enabled") else "disabled"
+        details["storage"] = storage.get("status", "ok") if storage.get("enabled") else "disabled"
+        if storage.get("quarantined"):
+            details["storage_quarantined"] = storage["quarantined"]
     except SchedulerUnavailable:
-        state = "unknown: the scheduler has published no statistics yet"
-    return {"status": "ok", "details": {"storage": tm.redact(state)}}  # open to all: no credentials
+        details["storage"] = "unknown: the scheduler has published no statistics yet"
+    return {"status": "ok", "details": tm.redact(details)}  # open to all: no credentials
 
 
 @router.get("/health_generate")

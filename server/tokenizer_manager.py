@@ -272,6 +272,15 @@ class TokenizerManager:
             self.abort(rid)
         return len(rids)
 
+    def end_streams(self, reason: str) -> int:
+        """Ends every open request with a 503 naming `reason` (a stream: its error event and its
+        terminator), aborting it at its replica; returns how many there were."""
+        for rid, state in list(self._states.items()):
+            self.abort(rid)
+            state.queue.put_nowait(TokenOutput(rid=rid, new_token_ids=[], finish_reason={"type": "abort"},
+                                               error=DEAD + reason))
+        return len(self._states)
+
     @property
     def num_open_requests(self) -> int:
         return len(self._states)

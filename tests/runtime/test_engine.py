@@ -110,7 +110,7 @@ def test_chat_names_paris(engine):
     assert "Paris" in out["text"]
 
 
-def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypatch):
+def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypatch, caplog):
     from types import SimpleNamespace
 
     import torch
@@ -124,4 +124,9 @@ def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypat
     monkeypatch.setattr(build, "available_ram", lambda: 4 << 30)  # MemAvailable, page cache included
     tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)
     assert tokens == int(min((4 << 30) * 0.85 * 0.25, build.CPU_KV_CAP_BYTES) // per_token) // 64 * 64
+    assert tokens * per_token <= 512 << 20  # modest: resident from the start
+    monkeypatch.setattr(build, "available_ram", lambda: 1 << 30)  # other processes hold the memory
+    with caplog.at_level("WARNING", logger=build.logger.name):
+        small = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)
+    assert small == int((1 << 30) * 0.85 * 0.25 // per_token) // 64 * 64 and "sized down" in caplog.text
     assert build.served_context(8192, 1856) == 1856 and build.served_context(2048, 8192) == 2048

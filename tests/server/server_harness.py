@@ -79,14 +79,17 @@ class ServerHandle:
         return code
 
 
-def start_server(*flags: str, api_key: str | None = None) -> ServerHandle:
+def start_server(*flags: str, api_key: str | None = None, env: dict | None = None,
+                 key_flag: bool = True) -> ServerHandle:
+    """`env`: variables added to the server's environment; `key_flag=False`: `api_key` is the key
+    the server takes from elsewhere (a file, `env`), not put on its command line."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="hicache-server-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "hicache.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
-    if api_key:
+    if api_key and key_flag:
         cmd += ["--api-key", api_key]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log, api_key)
     _wait_healthy(handle)
     info = httpx.get(handle.url + "/get_server_info", headers=handle.headers, timeout=30).json()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from hicache.server import stats_cli
+from lmdb_corrupt import corrupt_value_nodes
 from server_harness import LIGHT_FLAGS, start_server
 
 pytestmark = pytest.mark.model
@@ -125,6 +126,41 @@ def test_lmdb_degraded_resumes_and_a_restart_is_served_from_it(tmp_path):
     details = [r["meta_info"]["cached_tokens_details"] for r in warm]
     assert details[0]["storage"] >= 64, details
     assert stats["hit_tokens"] == sum(d["storage"] for d in details) and stats["prefetched_tokens"] > 0
+
+
+def test_a_store_that_crashes_the_storage_process_is_quarantined_and_health_says_so(tmp_path, capsys):
+    """A corrupt B-tree under a real server: the storage process crashes reading it; within three
+    crashes the store is moved aside, /health and `hicache stats` name where, a fresh store
+    serves, and the answers stay those of a server without storage."""
+    path = tmp_path / "lmdb"
+    flags = storage_flags("lmdb", path=str(path), shards=1)
+    first = start_server(*flags)
+    try:
+        cold = generate(first, TURNS[0])
+        settle(first)
+    finally:
+        first.stop()
+    assert corrupt_value_nodes(path / "shard-00" / "data.mdb") > 0
+    second = start_server(*flags)
+    try:
+        end = time.monotonic() + 120
+        while "storage_quarantined" not in httpx.get(second.url + "/health", timeout=30).json()["details"]:
+            assert time.monotonic() < end, storage_stats(second)
+            flush(second)
+            assert generate(second, TURNS[0])["output_ids"] == cold["output_ids"]  # L3 read: the child crashes
+            time.sleep(0.5)
+        details = httpx.get(second.url + "/health", timeout=30).json()["details"]
+        stats = storage_stats(second)
+        assert details["storage_quarantined"].startswith(f"{path}.quarantined-")
+        assert stats["quarantined"] == details["storage_quarantined"] and stats["process_crashes"] <= 3
+        wait_for(lambda: health_storage(second) == "ok", timeout=60)  # a fresh store serves
+        assert stats_cli.run(second.url, None, False, None) == 0
+        assert "quarantined" in capsys.readouterr().out
+        assert generate(second, TURNS[1])["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+        metrics = httpx.get(second.url + "/metrics", timeout=30).text
+        assert 'hicache_tier_quarantined_stores_total{tier="storage"} 1.0' in metrics
+    finally:
+        second.stop()
 
 
 def test_two_servers_share_redis_and_survive_it_going_away(redis_server, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.tiers.gpu.pool import DeviceKVPool
-from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, host_pool_tokens
+from hicache.tiers.host.pool import GB, HostKVPool, LockedAllocator, available_ram, default_reserve, host_pool_tokens
 from hicache.tiers.host.transfer import HostTransferEngine
 
 LAYERS, HEADS, DIM = 3, 2, 4
@@ -34,9 +34,32 @@ def test_sizing_by_ratio_or_gb_page_aligned():
         host_pool_tokens(10, per_token, 64, 2.0, 0, available=10 * GB, reserve=0)
 
 
-def test_real_ram_check_refuses_an_absurd_size():
+def test_a_ratio_that_does_not_fit_beside_other_processes_is_sized_down_with_a_warning(caplog):
+    """Another server holds the memory: the L2 derived from the ratio shrinks to what is available
+    beyond the OS reserve (page-aligned) and says so; an explicit size still fails."""
+    per_token = 1000
+    with caplog.at_level("WARNING", logger="hicache.tiers.host.pool"):
+        tokens = host_pool_tokens(10**6, per_token, 16, 2.0, 0, available=3 * GB, reserve=2 * GB)
+    assert tokens == GB // per_token // 16 * 16
+    assert "sized down to 1000000 tokens" in caplog.text and "hicache_ratio 2" in caplog.text
+    with pytest.raises(ValueError, match="Not enough host memory"):
+        host_pool_tokens(10**6, per_token, 16, 2.0, 1.5, available=3 * GB, reserve=2 * GB)
+    with pytest.raises(ValueError, match="Not enough host memory"):  # not even a page beyond the reserve
+        host_pool_tokens(10**6, per_token, 16, 2.0, 0, available=2 * GB + 15 * per_token, reserve=2 * GB)
+
+
+def test_the_os_reserve_is_at_most_half_the_available_memory():
+    """Other processes hold most of the RAM (a server beside this one): the reserve shrinks with
+    what is left, so that a modest derived L2 still fits."""
+    assert default_reserve(64 * GB) <= 10 * 2**30
+    assert default_reserve(3 * GB) == 3 * GB // 2
+    assert host_pool_tokens(8192, 46080, 16, 2.0, 0, available=3 * GB) == 16384
+
+
+def test_real_ram_check_refuses_an_absurd_size_and_shrinks_an_absurd_ratio():
     with pytest.raises(ValueError, match="kept for the OS"):
         host_pool_tokens(100, 1000, 1, 2.0, 10**6)  # a petabyte
+    assert 0 < host_pool_tokens(10**12, 1000, 1, 2.0, 0) * 1000 < available_ram()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -15,13 +16,14 @@ import torch
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
+from lmdb_corrupt import corrupt_value_nodes
 from test_remote import results
 
 NS = "5ea15ea15ea15ea1"
 
 
-def shared_pool(layout: str = "page_first", tokens: int = 64) -> HostKVPool:
-    pool = HostKVPool(tokens, 4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, layout=layout,
+def shared_pool(layout: str = "page_first", tokens: int = 64, head_dim: int = 8) -> HostKVPool:
+    pool = HostKVPool(tokens, 4, num_layers=3, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32, layout=layout,
                       pin=False, shared=True)
     pool.buffer.copy_(torch.randn(pool.buffer.shape))
     return pool
@@ -181,7 +183,7 @@ def test_a_dead_child_turns_everything_into_misses_until_a_new_one_runs(tmp_path
         proc.backup(k, None)
     (res,) = results(proc, 1)
     assert (res.ticket, res.ok, res.pages) == (later, False, 0)
-    assert proc.revoke(later) is False and proc.stats() == {"process_restarts": 0} and proc.quiesce(1.0)
+    assert proc.revoke(later) is False and proc.stats() == {"process_restarts": 0, "process_crashes": 0} and proc.quiesce(1.0)
     end = time.monotonic() + 60  # a new child starts after the backoff and serves again
     while proc.status() != "ok" and time.monotonic() < end:
         proc.wait(0.1)
@@ -199,7 +201,7 @@ def test_a_child_whose_server_died_still_lands_its_queued_backups(tmp_path):
     the backups it was given before it exits."""
     script = textwrap.dedent(f"""
         import os, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]  # tests/tiers, tests
         from test_storage_process import shared_pool, keys
         from hicache.tiers.remote.process import StorageProcess
         pool = shared_pool(tokens=512)
@@ -218,3 +220,75 @@ def test_a_child_whose_server_died_still_lands_its_queued_backups(tmp_path):
     backend = make_backend("lmdb", NS, path=str(tmp_path))
     assert [backend.batch_exists(keys(32, str(i))) for i in range(4)] == [32] * 4
     backend.close()
+
+
+def test_a_store_that_crashes_the_child_is_quarantined_and_a_fresh_one_serves(tmp_path):
+    """A real corrupt B-tree: the child crashes on each fetch; the second crash moves the store
+    aside (kept, private) and a fresh store serves in its place, the quarantine in `stats()`."""
+    store = tmp_path / "lmdb"
+    pool = shared_pool(tokens=512, head_dim=64)  # 12 KiB values: LMDB keeps them in overflow pages
+    k = keys(16)
+    proc = StorageProcess("lmdb", NS, None, {"path": str(store), "shards": 1}, pool, batch_pages=4)
+    proc.backup(k, pool.allocator.alloc(64))
+    assert results(proc, 1)[0].pages == 16
+    proc.close()
+    assert corrupt_value_nodes(store / "shard-00" / "data.mdb") >= 16  # and free pages of older copies
+    proc = StorageProcess("lmdb", NS, None, {"path": str(store), "shards": 1}, pool, batch_pages=4)
+    try:
+        outcomes, end = [], time.monotonic() + 90
+        while proc.quarantined is None and time.monotonic() < end:
+            if proc.status() == "ok":  # a child runs (again): it reads the corrupt store
+                proc.fetch(k, pool.allocator.alloc(64))
+                outcomes += results(proc, 1, timeout=30)
+            proc.wait(0.1)
+            proc.poll()
+        assert proc.quarantined is not None, proc.status()
+        assert [r.ok for r in outcomes] == [False, False] and all("crashed (SIG" in r.error for r in outcomes)
+        assert proc.crashes == 2
+        moved = Path(proc.quarantined)
+        assert moved.parent == tmp_path and moved.name.startswith("lmdb.quarantined-")
+        assert stat.S_IMODE(moved.stat().st_mode) == 0o700
+        assert stat.S_IMODE((moved / "shard-00" / "data.mdb").stat().st_mode) == 0o600
+        end = time.monotonic() + 60
+        while proc.status() != "ok" and time.monotonic() < end:
+            proc.wait(0.1)
+            proc.poll()
+        assert proc.status() == "ok"
+        proc.fetch(k, pool.allocator.alloc(64))  # the fresh store: misses, no crash
+        assert results(proc, 1, timeout=30)[0].pages == 0
+        proc.backup(k[:4], pool.allocator.alloc(16))
+        assert results(proc, 1)[0].pages == 4
+        stats = proc.stats()
+        assert (stats["quarantined"], stats["quarantined_stores"], stats["process_crashes"]) == (str(moved), 1, 2)
+        assert (store / "shard-00" / "data.mdb").exists()
+    finally:
+        proc.close()
+
+
+def test_a_store_that_cannot_be_moved_aside_leaves_storage_off(tmp_path, monkeypatch):
+    """Crashes that quarantine cannot help (here the store cannot be renamed) end in a degraded
+    storage that starts no further child."""
+    pool = shared_pool()
+    proc = StorageProcess("lmdb", NS, None, {"path": str(tmp_path / "lmdb")}, pool, batch_pages=2)
+
+    def refuse(*_args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "lmdb"))
+
+    monkeypatch.setattr(os, "rename", refuse)
+    try:
+        for _ in range(2):
+            end = time.monotonic() + 60
+            while proc.status() != "ok" and time.monotonic() < end:
+                proc.wait(0.1)
+                proc.poll()
+            os.kill(proc._proc.pid, signal.SIGSEGV)
+            proc.query(keys(2))
+            assert "crashed (SIGSEGV)" in results(proc, 1, timeout=30)[0].error
+        assert proc.status().startswith("degraded: the storage process crashed 2 times and its store could not be "
+                                        "moved aside") and proc.status().endswith("off until the server restarts")
+        time.sleep(1.5)  # past the first backoff: nothing is started
+        proc.poll()
+        assert proc._proc.poll() is not None and proc.quarantined is None
+        assert (tmp_path / "lmdb" / "hicache-l3.json").exists()
+    finally:
+        proc.close()

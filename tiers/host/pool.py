@@ -1,6 +1,7 @@
 """L2: the host KV pool, its layouts and its thread-safe page allocator."""
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -12,6 +13,7 @@ from hicache.tiers.base import PagedAllocator
 
 LAYOUTS = ("layer_first", "page_first")
 GB = 10**9  # hicache_size is in GB, as SGLang's --hicache-size
+logger = logging.getLogger(__name__)
 
 
 class LockedAllocator:
@@ -163,23 +165,32 @@ def host_pool_tokens(device_tokens: int, bytes_per_token: int, page_size: int, r
                      available: int | None = None, reserve: int | None = None) -> int:
     """L2 size in tokens: `size_gb` GB when > 0, else `ratio` x the L1 tokens; page-aligned.
 
-    ValueError when that does not fit in the available host memory minus a reserve for the OS
-    (`reserve`: default the smaller of 10 GiB and a fifth of physical RAM)."""
+    It must fit in the available host memory minus a reserve for the OS (`reserve`: default
+    `default_reserve`): a size derived from `ratio` that does not is
+    sized down to what fits, with a warning (other processes may hold the memory: a second server
+    starts); an explicit `size_gb` that does not, or a room short of one page, is a ValueError."""
     tokens = int(size_gb * GB) // bytes_per_token if size_gb > 0 else int(device_tokens * ratio)
     tokens = tokens // page_size * page_size
     if tokens < page_size:
         raise ValueError(f"the host KV pool would hold {tokens} tokens, less than one page ({page_size}); "
                          "raise hicache_ratio or hicache_size")
     available = available_ram() if available is None else available
-    reserve = default_reserve() if reserve is None else reserve
-    need = tokens * bytes_per_token
-    if need > available - reserve:
+    reserve = default_reserve(available) if reserve is None else reserve
+    need, room = tokens * bytes_per_token, available - reserve
+    fit = max(room, 0) // bytes_per_token // page_size * page_size
+    if need <= room:
+        return tokens
+    if size_gb > 0 or fit < page_size:
         raise ValueError(
             f"Not enough host memory for the host KV pool: it needs {need / 2**30:.2f} GiB "
             f"({tokens} tokens x {bytes_per_token} B), {available / 2**30:.2f} GiB is available and "
             f"{reserve / 2**30:.2f} GiB is kept for the OS; lower hicache_ratio / hicache_size "
             "or pass hierarchical_cache=False (--disable-hierarchical-cache)")
-    return tokens
+    logger.warning("L2: hicache_ratio %g x L1 would take %.2f GiB, but %.2f GiB is available and %.2f GiB is kept "
+                   "for the OS: the host KV pool is sized down to %d tokens (%.2f GiB); pass hicache_size to "
+                   "insist on a size", ratio, need / 2**30, available / 2**30, reserve / 2**30, fit,
+                   fit * bytes_per_token / 2**30)
+    return fit
 
 
 def available_ram() -> int:
@@ -193,6 +204,9 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_reserve() -> int:
+def default_reserve(available: int) -> int:
+    """Host memory kept for the OS and other processes: the smaller of 10 GiB and a fifth of
+    physical RAM, and at most half of what is `available` (where other processes already hold
+    most of the RAM, they keep half of the rest)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(10 * 2**30, total // 5)
+    return min(10 * 2**30, total // 5, available // 2)

@@ -97,6 +97,13 @@ class BackendBase:
                                self.name, reason)
         self._degraded = reason
 
+    @classmethod
+    def quarantine(cls, options: dict) -> str | None:
+        """Moves the store that `options` name aside, kept for inspection, so that the next
+        backend opened with them starts a fresh one; returns where it went (OSError: it could not
+        be moved). None: this backend keeps no store of its own on local disk (the default)."""
+        return None
+
     def probe(self) -> None:
         """Re-checks a degraded backend, clearing `status()` once it works again (default: nothing
         to check). The I/O worker calls it about once a second while the backend is degraded."""

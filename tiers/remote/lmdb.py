@@ -41,6 +41,10 @@ the server: the backend is degraded like a Redis that is down (the reason, namin
 OS error, is logged once; every operation fails fast, so reads are counted misses and writes are
 dropped), and it retries the open at most once a second (on the worker's idle probe or on the next
 operation), then storage resumes.
+
+A store that crashes the process reading it (a corrupt B-tree can send LMDB's reads out of its map:
+SIGSEGV, SIGBUS) is moved aside by the storage process's parent (`quarantine`, `process.py`), and a
+fresh one starts at the path.
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ from hicache.tiers.remote.backend import BackendBase, BackendUnavailable
 from hicache.tiers.remote.disk import MIB, free_bytes, release
 from hicache.tiers.remote.framing import value_size
 from hicache.tiers.remote.lmdb_env import LmdbEnv, close_env, open_env
-from hicache.tiers.remote.lmdb_layout import check_shards, shard_folders, shard_of
+from hicache.tiers.remote.lmdb_layout import check_shards, quarantine, shard_folders, shard_of
 
 logger = logging.getLogger("hicache.tiers.remote.lmdb")
 
@@ -90,6 +94,12 @@ class LmdbBackend(BackendBase):
         self._tried = 0.0  # monotonic time of the last open attempt
         self._closed = False
         self._reopen()
+
+    @classmethod
+    def quarantine(cls, options: dict) -> str | None:
+        """Renames the store at `options["path"]` to a sibling `<path>.quarantined-<UTC time>`
+        (its folders 0700, its files 0600); the next open creates a fresh store at the path."""
+        return quarantine(options["path"])
 
     def _reopen(self) -> None:
         """One attempt to open the shards (callers hold `_opening` or are the constructor)."""

@@ -6,7 +6,7 @@ The first process to open a new folder writes the layout file (atomically: a lin
 file), with its `shards` option; every later opener, of this process or another, reads N from the
 file, so all of them route a key to the same shard. A folder with `data.mdb` at its top holds a
 store of the single-environment layout (layout 1): it is not opened (`OldLayout`) until it is moved
-or deleted.
+or deleted. `quarantine` moves a store aside (one that crashed its reader), keeping it for inspection.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import threading
+import time
 
 import crc32c
 
@@ -76,3 +77,22 @@ def _read(file: str) -> int:
         return check_shards(layout["shards"])
     except (ValueError, KeyError, TypeError) as e:
         raise OSError(errno.EINVAL, f"not an L3 layout file ({e})", file) from None
+
+
+def quarantine(path: str) -> str:
+    """Moves the store at `path` to a new sibling `<path>.quarantined-<UTC time>[-n]`, its folders
+    and files made private (0700, 0600), and returns that path; OSError if it cannot be moved."""
+    path = os.path.realpath(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = f"{path}.quarantined-{stamp}", 1
+    while os.path.lexists(dest):
+        n += 1
+        dest = f"{path}.quarantined-{stamp}-{n}"
+    os.rename(path, dest)
+    os.chmod(dest, PRIVATE_DIR)
+    for root, dirs, files in os.walk(dest):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), PRIVATE_DIR)
+        for name in files:
+            os.chmod(os.path.join(root, name), PRIVATE_FILE)
+    return dest

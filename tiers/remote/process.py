@@ -17,12 +17,21 @@ every operation in flight ends as a failure (a fetch keeps the pages reported la
 fail at once, and `status()` says degraded: misses, never a wrong page; a new child is started
 after a backoff and serves once it answers. The child exits when its socket closes (the
 scheduler's process gone, however it went), after its queued backups.
+
+A child killed by a crash signal (`CRASH_SIGNALS`: a corrupt store can send the backend's reads out
+of their memory) counts a crash. At the `QUARANTINE_AFTER`th crash the store is quarantined: the
+backend's `quarantine` moves it aside (kept for inspection, private), the next child starts at
+once on a fresh store, and `stats()` names where the old one went (`quarantined`). Where that is
+not possible (the store cannot be moved, the backend keeps none on local disk, or the fresh store
+crashed as often too), no child is started again: the storage is degraded until the server
+restarts, and `status()` says why.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -33,7 +42,7 @@ import time
 import msgpack
 
 from hicache.tiers.base import StorageOps, StorageResult
-from hicache.tiers.remote import check_options
+from hicache.tiers.remote import backend_class, check_options
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,9 @@ MAX_FRAME = 1 << 28
 RESTART_FIRST_S, RESTART_MAX_S = 1.0, 60.0  # a dead child is started again after this, doubling
 START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 10.0
+EXIT_WAIT_S = 2.0  # a lost child is given this long to exit by itself (its exit code tells a crash), then killed
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+QUARANTINE_AFTER = 2  # crashes of the child on one store before that store is moved aside
 _HEAD = struct.Struct(">I")
 
 
@@ -95,16 +107,27 @@ class StorageProcess(StorageOps):
         self._report_call: int | None = None  # the report asked for and not yet answered
         self.failed: str | None = None  # why the child is gone (until one started again answers)
         self.restarts, self._starting, self._backoff, self._retry_at = 0, False, RESTART_FIRST_S, 0.0
-        self._spawn()
-        try:
-            msg = self._chan.recv(START_TIMEOUT_S)
-        except (OSError, EOFError) as e:
-            msg = ["failed", type(e).__name__, str(e)]
-        if msg and msg[0] == "ready":
-            logger.info("L3 I/O runs in process %d", self._proc.pid)
-            return
-        self._stop_child()
-        self._chan.close()
+        self.crashes, self._store_crashes = 0, 0  # in all; on the current store
+        self.quarantined: str | None = None  # where the store that crashed the child went
+        self._given_up = False  # no child is started again
+        while True:  # a child that crashes at start is started again, and its store quarantined
+            self._spawn()
+            try:
+                msg = self._chan.recv(START_TIMEOUT_S)
+            except (OSError, EOFError) as e:
+                msg = ["failed", type(e).__name__, str(e)]
+            if msg and msg[0] == "ready":
+                logger.info("L3 I/O runs in process %d", self._proc.pid)
+                self.failed = None
+                return
+            crashed = self._crashed(self._stop_child(EXIT_WAIT_S))
+            self._chan.close()
+            if not crashed:
+                break
+            if self._store_crashes >= QUARANTINE_AFTER:
+                self._quarantine()
+            if self._given_up:
+                raise RuntimeError(f"the L3 storage process did not start: {self.failed}")
         kind, text = (msg[1], msg[2]) if msg else ("TimeoutError", f"no answer in {START_TIMEOUT_S:.0f} s")
         raise (ValueError if kind == "ValueError" else RuntimeError)(
             text if kind == "ValueError" else f"the L3 storage process did not start: {kind}: {text}")
@@ -176,7 +199,10 @@ class StorageProcess(StorageOps):
 
     def stats(self) -> dict:
         out = {} if self.failed is not None else self._latest_report().get("stats", {})
-        return {**out, "process_restarts": self.restarts}
+        out = {**out, "process_restarts": self.restarts, "process_crashes": self.crashes}
+        if self.quarantined is not None:
+            out.update(quarantined=self.quarantined, quarantined_stores=1)
+        return out
 
     def _latest_report(self) -> dict:
         """The child's last report ({} if it did not answer); asks for the next one."""
@@ -260,10 +286,12 @@ class StorageProcess(StorageOps):
     def _lost(self, why: str | None = None) -> None:
         """The child is gone (or no longer to be trusted: it is killed): everything in flight ends
         as a failure, and a new child is started after the backoff."""
+        code = self._stop_child(EXIT_WAIT_S)
+        crashed = (self.failed is None or self._starting) and self._crashed(code)
         if why is None:
-            code = self._proc.poll()
-            why = f"the storage process exited (code {code})" if code is not None else "the storage channel broke"
-        self._stop_child()
+            why = (f"the storage process crashed ({signal.Signals(-code).name})" if crashed
+                   else f"the storage process exited (code {code})" if code is not None else
+                   "the storage channel broke")
         if self.failed is None or self._starting:
             self.failed = why
             logger.error("L3: %s; storage reads and writes are misses until it runs again (in %.0f s)", why,
@@ -275,10 +303,43 @@ class StorageProcess(StorageOps):
             landed = self._progress.get(ticket, 0) if kind == "fetch" else 0
             self._done.append(StorageResult(ticket, kind, False, landed, error=self.failed))
         self._kinds.clear()
+        if crashed and self._store_crashes >= QUARANTINE_AFTER:
+            self._quarantine()
+
+    def _crashed(self, code: int | None) -> bool:
+        """Whether exit code `code` is a crash (counted)."""
+        if code is None or -code not in CRASH_SIGNALS:
+            return False
+        self.crashes, self._store_crashes = self.crashes + 1, self._store_crashes + 1
+        return True
+
+    def _quarantine(self) -> None:
+        """The child crashed `QUARANTINE_AFTER` times on its store: moves the store aside and starts
+        the next child at once, on a fresh one; or gives up (the module docstring says when)."""
+        crashes, self._store_crashes = self._store_crashes, 0
+        if self.quarantined is not None:
+            self._give_up(f"the storage process crashed {crashes} times on a fresh store too (the first store is "
+                          f"quarantined at {self.quarantined})")
+            return
+        try:
+            where = backend_class(self._spec["backend"]).quarantine(self._spec["options"])
+        except OSError as e:
+            self._give_up(f"the storage process crashed {crashes} times and its store could not be moved aside: {e}")
+            return
+        if where is None:
+            self._give_up(f"the storage process crashed {crashes} times")
+            return
+        self.quarantined, self._backoff, self._retry_at = where, RESTART_FIRST_S, 0.0
+        self.failed = f"the storage process crashed {crashes} times on its store, quarantined at {where}"
+        logger.error("L3: %s; a fresh store starts in its place (inspect or delete the quarantined one)", self.failed)
+
+    def _give_up(self, why: str) -> None:
+        self._given_up, self.failed = True, f"{why}; storage is off until the server restarts"
+        logger.error("L3: %s", self.failed)
 
     def _revive(self) -> None:
         """Starts a new child once the backoff after a loss has passed (it answers later)."""
-        if self.failed is None or self._starting or time.monotonic() < self._retry_at:
+        if self.failed is None or self._starting or self._given_up or time.monotonic() < self._retry_at:
             return
         self._chan.close()
         try:
@@ -288,7 +349,14 @@ class StorageProcess(StorageOps):
             return
         self._starting = True
 
-    def _stop_child(self) -> None:
-        if self._proc.poll() is None:
+    def _stop_child(self, wait: float) -> int | None:
+        """Ends the child, given `wait` seconds to exit by itself; its own exit code, or None if it
+        had to be killed."""
+        try:
+            code = self._proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
             self._proc.kill()
             self._proc.wait()
+        return code
