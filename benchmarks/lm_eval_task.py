@@ -144,6 +144,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "hicache-lm-eval",
                    help="where the venv, the HF folder and the results go (kept between runs)")
+    p.add_argument("--tokenizer-backend", default="huggingface", choices=("huggingface", "remote"),
+                   help="lm-eval's tokenizer for hicache: the HF folder's, or the server's own (remote: "
+                        "its /tokenizer_info, /tokenize and /detokenize)")
     p.add_argument("--server-flags", default="--disable-hierarchical-cache",
                    help="extra flags of `hicache serve` (default: L1 only, a light server)")
     return p.parse_args(argv)
@@ -160,9 +163,11 @@ def main(argv=None) -> int:
     server = Server(args.server_flags.split(), args.workdir / "server.log")
     try:
         name = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        tokenizer = (f"tokenizer={folder},tokenizer_backend=huggingface" if args.tokenizer_backend == "huggingface"
+                     else "tokenizer_backend=remote")
         ours = run_lm_eval(python, "local-completions",
-                           f"model={name},base_url={server.url}/v1/completions,tokenizer={folder},"
-                           "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1",
+                           f"model={name},base_url={server.url}/v1/completions,{tokenizer},"
+                           "num_concurrent=1,max_retries=1",
                            tasks, args.workdir / "out-hicache")
     finally:
         server.stop()

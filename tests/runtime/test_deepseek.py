@@ -29,6 +29,7 @@ from hicache.runtime.tokenizer import load_tokenizer
 from hicache.runtime.weights import load_model
 from hicache.runtime.weights.gguf import GGUFCheckpoint
 from hicache.tiers.gpu.pool import DeviceKVPool
+from test_hicache_l3 import settle
 from tp_procs import run_ranks
 
 VOCAB = 49152  # the default model's tokenizer
@@ -264,15 +265,6 @@ def _l3_scheduler(folder: Path, lmdb: Path):
     return build_scheduler(rc, cc)
 
 
-def _settle(sched) -> None:
-    for _ in range(500):
-        if not sched.cache.storage.busy():
-            return
-        sched.cache.storage.wait(0.02)
-        sched.cache.storage.poll()
-    raise AssertionError("L3 operations still in flight")
-
-
 def test_l3_round_trip_of_latent_pages(tiny, tmp_path):
     """Latent pages backed up to LMDB, then a fresh scheduler on the same LMDB serves the prompt's
     pages from storage, with HF's greedy output."""
@@ -281,7 +273,7 @@ def test_l3_round_trip_of_latent_pages(tiny, tmp_path):
     want = hf_greedy(hf, prompt, NEW_TOKENS)
     first = _l3_scheduler(folder, tmp_path)
     assert _run_together(first, "a", [prompt])[0][0] == want
-    _settle(first)
+    settle(first)
     assert first.stats()["tiers"]["storage"]["backed_up_tokens"] >= 40 // PAGE * PAGE
     first.close()
     second = _l3_scheduler(folder, tmp_path)

@@ -119,7 +119,7 @@ def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypat
     from hicache.runtime.config import RuntimeConfig
     from hicache.tiers.gpu.pool import DeviceKVPool
 
-    cfg = SimpleNamespace(num_layers=30, head_dim=64)
+    cfg = SimpleNamespace(num_layers=30, head_dim=64, cache_head_dim=64)
     per_token = DeviceKVPool.token_bytes(30, 3, 64, torch.float32)
     monkeypatch.setattr(build, "available_ram", lambda: 4 << 30)  # MemAvailable, page cache included
     tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)

@@ -23,6 +23,9 @@ import httpx
 # L3 in the server's memory: tests of LMDB or Redis name theirs after these flags (the last wins)
 LIGHT_FLAGS = ("--max-total-tokens", "8192", "--context-length", "4096", "--page-size", "16",
                "--max-running-requests", "32", "--chunked-prefill-size", "512", "--hicache-storage-backend", "memory")
+# Long streams meant to be in flight together (signals and deaths mid-stream): admitted without
+# keeping room for their outputs, as they would be with retraction to fall back on
+TOGETHER = ("--schedule-conservativeness", "0")
 STARTUP_TIMEOUT_S = 600
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the default model's own name
 ALIAS = "smol"  # the shared server's second name (conftest.py)

@@ -25,7 +25,7 @@ def _refuse(_messages, _tools=None):
 
 def client(**config) -> TestClient:
     tm = SimpleNamespace(info=SimpleNamespace(model_name="own", context_length=16, vocab_size=100),
-                         runtime_config=SimpleNamespace(model_path=PATH), tokenizer=None,
+                         runtime_config=SimpleNamespace(model_path=PATH), tokenizer=None, loras={},
                          apply_chat_template=_refuse)
     return TestClient(create_app(tm, ServerConfig(**config)), base_url="http://localhost")
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import LIGHT_FLAGS, pid_alive, start_server
+from server_harness import LIGHT_FLAGS, TOGETHER, pid_alive, start_server
 
 pytestmark = pytest.mark.model
 
@@ -89,7 +89,7 @@ def generate(url: str, text: str = PROMPT) -> dict:
 
 
 def test_scheduler_killed_mid_stream_fails_streams_then_server_exits_nonzero():
-    handle = start_server(*LIGHT_FLAGS)
+    handle = start_server(*LIGHT_FLAGS, *TOGETHER)
     try:
         assert socket_dirs(handle.proc.pid)
         streams = open_streams(handle.url, 3)

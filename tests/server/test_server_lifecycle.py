@@ -19,7 +19,7 @@ import ollama
 import openai
 import pytest
 
-from server_harness import LIGHT_FLAGS, MODEL_NAME, pid_alive, start_up
+from server_harness import LIGHT_FLAGS, MODEL_NAME, TOGETHER, pid_alive, start_up
 
 pytestmark = pytest.mark.model
 KEY = "s3cret-key"
@@ -27,7 +27,7 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def keyed_start():
-    started = start_up(*LIGHT_FLAGS, api_key=KEY)
+    started = start_up(*LIGHT_FLAGS, *TOGETHER, api_key=KEY)
     try:
         yield started
     finally:

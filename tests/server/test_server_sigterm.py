@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import LIGHT_FLAGS, MODEL_NAME, start_server
+from server_harness import LIGHT_FLAGS, MODEL_NAME, TOGETHER, start_server
 
 pytestmark = pytest.mark.model
 
@@ -47,7 +47,7 @@ class Stream(threading.Thread):
 
 
 def test_sigterm_ends_every_open_stream_with_its_error_and_terminator_and_exits_cleanly():
-    server = start_server(*LIGHT_FLAGS, "--graceful-shutdown-timeout", str(GRACE_S))
+    server = start_server(*LIGHT_FLAGS, *TOGETHER, "--graceful-shutdown-timeout", str(GRACE_S))
     chat = [{"role": "user", "content": "Tell a long story"}]
     story = [{"role": "user", "content": "Write a very long story about a dragon, at least 3000 words."}]  # greedy: 1500+ tokens
     streams = {
