@@ -1,6 +1,5 @@
 """Secrets off the command line: `--api-key-file`, `--hicache-storage-secret-file` and
-`--hicache-storage-backend-extra-config-file`, or $HICACHE_API_KEY, $HICACHE_STORAGE_SECRET and
-$HICACHE_STORAGE_BACKEND_EXTRA_CONFIG; a real server given them that way shows them in no
+`--hicache-storage-backend-extra-config-file`, the API key also from $HICACHE_API_KEY; a real server given them that way shows them in no
 process's command line and no log."""
 from __future__ import annotations
 
@@ -35,15 +34,13 @@ def test_each_secret_comes_from_its_file_or_its_variable(tmp_path):
                             str(tmp_path / "secret"), "--hicache-storage-backend-extra-config-file",
                             str(tmp_path / "extra"))
     assert (server.api_key, cache.hicache_storage_secret, cache.backend_options["url"]) == (KEY, SECRET, REDIS)
-    environ = {"HICACHE_API_KEY": KEY, "HICACHE_STORAGE_SECRET": SECRET,
-               "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps({"url": REDIS})}
+    environ = {"HICACHE_API_KEY": KEY}
     server, cache = configs("--hicache-storage-backend", "redis", environ=environ)
-    assert (server.api_key, cache.hicache_storage_secret, cache.backend_options["url"]) == (KEY, SECRET, REDIS)
+    assert server.api_key == KEY and cache.hicache_storage_secret is None
     server, _ = configs("--hicache-storage-backend", "redis", "--api-key", "from-the-flag", environ=environ)  # the flag wins over the variable
     assert server.api_key == "from-the-flag"
     assert KEY not in repr(server) and SECRET not in repr(cache)
-    assert [s.env for s in SECRETS] == ["HICACHE_API_KEY", "HICACHE_STORAGE_SECRET",
-                                        "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"]
+    assert [s.env for s in SECRETS] == ["HICACHE_API_KEY", None, None]  # L3's secrets: a file or the flag
 
 
 def test_the_variable_is_read_when_the_command_line_is_parsed(monkeypatch):
@@ -84,12 +81,14 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.mark.model
 def test_a_server_given_its_secrets_by_file_and_environment_shows_them_nowhere(tmp_path):
-    key = tmp_path / "key"
-    key.write_text(KEY + "\n")
-    key.chmod(0o600)
-    flags = (*LIGHT_FLAGS, "--hicache-storage-backend", "lmdb", "--api-key-file", str(key))
-    env = {"HICACHE_STORAGE_SECRET": SECRET,
-           "HICACHE_STORAGE_BACKEND_EXTRA_CONFIG": json.dumps({"path": str(tmp_path / "lmdb")})}
+    secret, extra = tmp_path / "secret", tmp_path / "extra"
+    secret.write_text(SECRET + "\n")
+    extra.write_text(json.dumps({"path": str(tmp_path / "lmdb")}))
+    for f in (secret, extra):
+        f.chmod(0o600)
+    flags = (*LIGHT_FLAGS, "--hicache-storage-backend", "lmdb", "--hicache-storage-secret-file", str(secret),
+             "--hicache-storage-backend-extra-config-file", str(extra))
+    env = {"HICACHE_API_KEY": KEY}
     server = start_server(*flags, api_key=KEY, env=env, key_flag=False)
     try:
         assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
