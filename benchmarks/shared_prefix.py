@@ -3,8 +3,10 @@ SGLang's own package cannot be installed: `--groups` system prompts of `--system
 ids, `--per-group` questions of `--question-len` tokens each, shuffled, `--output-len` tokens each
 (ignore_eos), `--concurrency` in flight, streamed through native `/generate` with `input_ids`.
 
-Prints the duration, TTFT p50 and output tokens/s, then the server's L2 traffic from
-`/hicache/stats`: bytes over the copies' busy time (the wire's rate) and the time the copies waited.
+Prints the duration, TTFT p50 and output tokens/s, the prompt tokens each tier served and those
+computed (against the fewest any cache must compute: every system prompt and question once), then
+the server's L2 traffic from `/hicache/stats`: bytes over the copies' busy time (the wire's rate)
+and the time the copies waited.
 
     python benchmarks/shared_prefix.py --url http://127.0.0.1:30000
 """
@@ -49,18 +51,31 @@ async def run(args) -> dict:
         async def guarded(ids):
             async with gate:
                 return await one(client, ids, args.output_len)
+        before = (await client.get("/hicache/stats")).json()
         start = time.perf_counter()
         ttfts = sorted(await asyncio.gather(*(guarded(p) for p in prompts)))
         duration = time.perf_counter() - start
         stats = (await client.get("/hicache/stats")).json()
+    tiers = ("device", "host", "storage")
+    hits = {t: _tier(stats, t, "hit_tokens") - _tier(before, t, "hit_tokens") for t in tiers}
     return {"requests": len(prompts), "duration_s": duration, "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2],
             "output_tok_s": len(prompts) * args.output_len / duration, "host": stats.get("tiers", {}).get("host", {}),
-            "retractions": stats.get("retractions")}
+            "retractions": stats.get("retractions"), "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hits,
+            "least_computed": len(set(map(tuple, prompts))) * args.question_len + args.groups * args.system_len}
+
+
+def _tier(stats: dict, tier: str, key: str) -> int:
+    return (stats.get("tiers", {}).get(tier) or {}).get(key) or 0
 
 
 def report(res: dict) -> None:
     print(f"{res['requests']} requests in {res['duration_s']:.1f} s; TTFT p50 {res['ttft_p50_ms']:.0f} ms; "
           f"output {res['output_tok_s']:.0f} tok/s; retractions {res['retractions']}")
+    hits = res["hit_tokens"]
+    computed = res["prompt_tokens"] - sum(hits.values())
+    print(f"prompt tokens {res['prompt_tokens']}: cached on " + ", ".join(f"{t} {n}" for t, n in hits.items())
+          + f"; computed {computed} ({computed / res['least_computed']:.2f}x the {res['least_computed']} no cache "
+          "could avoid)")
     h = res["host"]
     for label, nbytes, busy, waited, count in (
             ("loaded back", "loaded_back_bytes", "load_back_seconds", "load_back_wait_seconds", "load_backs"),

@@ -7,7 +7,9 @@ between L1 and L2 over the radix tree, through the tier protocols only (no concr
 - write policy: `write_through` backs up new pages on insert, `write_through_selective` on their
   second insert, `write_back` only when L1 evicts them.
 - eviction: L1 frees the device pages of nodes L2 holds (they stay, host-only) and deletes the
-  others (under write_back: copies them down first); L2 deletes host-only leaves no transfer pins.
+  others (under write_back, and for nodes whose L2 copy L2 reclaimed: copies them down first); L2
+  first reclaims its copies of pages L1 also holds (so that the two tiers hold distinct pages),
+  then deletes host-only leaves no transfer pins.
 - L3 (optional): every finished L1 -> L2 copy is queued for L3 (`hicache/backups.py`), and
   queued L3 backups give up their L2 pins when L2 is short of room (`alloc_host`).
 - sliding windows (optional): a `hicache/window.py: WindowPolicy` shapes load-backs and evictions.
@@ -210,7 +212,8 @@ class CacheController:
             for node in self.tree.path(token_ids, namespace):
                 end += len(node.key)
                 uses = node.hit_count + (1 if end <= prompt_tokens else 0)
-                if node.host_slots is None and node.device_slots is not None and uses >= need:
+                if node.host_slots is None and node.device_slots is not None and uses >= need \
+                        and not node.host_reclaimed:
                     todo.append(node)
             if todo:
                 self._backup(todo)
@@ -238,14 +241,23 @@ class CacheController:
         """n fresh L2 slots, evicting for them; when eviction falls short, L3 backups still queued
         give up their pins (oldest first) and eviction tries again. None if there is no room."""
         alloc = self.tree.host_allocator
-        short = n - alloc.num_free_tokens()
-        if short > 0:
-            self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
+        self._free_host(n - alloc.num_free_tokens())
         while self.backups is not None and n > alloc.num_free_tokens():
             if not self.backups.revoke(n - alloc.num_free_tokens()):
                 break
-            self.counters["host_evicted_tokens"] += self.tree.evict_host(n - alloc.num_free_tokens())
+            self._free_host(n - alloc.num_free_tokens())
         return alloc.alloc(n) if alloc.num_free_tokens() >= n else None
+
+    def _free_host(self, short: int) -> None:
+        """Frees `short` L2 tokens: first the copies of pages L1 also holds (so that L1 and L2 hold
+        distinct pages, as many as both fit), then host-only leaves. With sliding windows an L1
+        copy may lack its windowed layers, so L2 keeps those copies."""
+        if short > 0 and self.windows is None:
+            reclaimed = self.tree.reclaim_host(short)
+            self.counters["host_reclaimed_tokens"] += reclaimed
+            short -= reclaimed
+        if short > 0:
+            self.counters["host_evicted_tokens"] += self.tree.evict_host(short)
 
     # ---- eviction -------------------------------------------------------------------------
 
@@ -262,8 +274,10 @@ class CacheController:
 
     def _copy_down(self, node: TreeNode) -> bool:
         """L1 is about to drop `node`, which L2 lacks: under write_back (or when host-only nodes
-        hang below it) copy it down first and wait for the copy (the pages are reused at once)."""
-        if self.write_policy != "write_back" and not node.children:
+        hang below it, or L2 reclaimed its copy and would rather keep it than what it holds) copy
+        it down first and wait for the copy (the pages are reused at once)."""
+        if self.write_policy != "write_back" and not node.children and not (
+                node.host_reclaimed and self.tree.host_takes(node)):
             return False
         ticket = self._backup([node], lock=False)
         if ticket is None:
@@ -375,7 +389,7 @@ class CacheController:
                 "load_backs": c["load_backs"], "backups": c["backups"],
                 "transfer_failures": c["transfer_failures"],
                 "load_back_recomputed_tokens": c["load_back_recomputed_tokens"],
-                "load_back_deferred": c["load_back_deferred"],
+                "load_back_deferred": c["load_back_deferred"], "reclaimed_tokens": c["host_reclaimed_tokens"],
                 "backup_skipped_tokens": c["backup_skipped_tokens"], "in_flight": len(self.transfers.ops),
                 "bytes_per_token": self.host_pool.bytes_per_token(), "write_policy": self.write_policy,
                 "layout": self.host_pool.layout, **self.decider.stats("host")}

@@ -297,11 +297,16 @@ class StorageController:
             self.poll()
 
     def quiesce(self, timeout: float = 30.0) -> bool:
-        """Cancels every L3 operation, waits for them and folds them in (for flush)."""
+        """Cancels every L3 operation, waits for them and folds them in (for flush): results still
+        on their way from the I/O side are waited for, within `timeout` in all."""
+        end = time.monotonic() + timeout
         for op in list(self._live):
             self.dequeued(op)
         done = self.engine.quiesce(timeout)
         self.poll()
+        while done and self.busy() and time.monotonic() < end:
+            self.engine.wait(min(0.05, max(end - time.monotonic(), 0.0)))
+            self.poll()
         return done and not self.busy()
 
     def close(self) -> None:

@@ -90,6 +90,8 @@ def _check_node(tree: RadixTree, node: TreeNode) -> None:
     assert node.host_pin >= 0, f"{node!r}: negative host_pin"
     assert node.host_pin == 0 or node.host_slots is not None, f"{node!r}: pinned but not on the host"
     assert not node.stale or node.device_slots is not None, f"{node!r}: stale without a device copy"
+    assert not node.host_reclaimed or (node.device_slots is not None and node.host_slots is None), (
+        f"{node!r}: L2 copy reclaimed but still on L2 or off L1")
 
 
 def _check_page_keys(tree: RadixTree, node: TreeNode, seed: Callable[[str], bytes] | None) -> None:

@@ -21,7 +21,7 @@ class TreeNode:
     __slots__ = (
         "children", "parent", "key", "namespace", "device_slots", "host_slots",
         "lock_ref", "direct_locks", "host_pin", "last_access", "hit_count", "last_use", "reuse_gap", "stale",
-        "page_keys", "id",
+        "host_reclaimed", "page_keys", "id",
     )
     _next_id = itertools.count()
 
@@ -40,6 +40,8 @@ class TreeNode:
         self.last_use = 0  # the tree's use clock (one tick per insert) at the last insert through it (0: none yet)
         self.reuse_gap = 0.0  # smoothed use-clock ticks between its inserts (0: never reused; see eviction.py)
         self.stale = False  # device copy not trusted (its load failed): never matched, dropped when unlocked
+        # its L2 copy was given up for room while L1 held it: L1 copies it down before dropping it
+        self.host_reclaimed = False
         # L3 keys (hex, docs/formats.md) of this node's pages, chained from the parent's last key; filled by
         # the StorageController when first needed (its ancestors' with it), split with the node
         self.page_keys: list[str] | None = None

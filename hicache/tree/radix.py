@@ -248,6 +248,7 @@ class RadixTree:
         upper.device_slots = _slice(node.device_slots, 0, k)
         upper.host_slots = _slice(node.host_slots, 0, k)
         upper.lock_ref, upper.host_pin, upper.stale = node.lock_ref, node.host_pin, node.stale
+        upper.host_reclaimed = node.host_reclaimed
         upper.last_access, upper.hit_count = node.last_access, node.hit_count
         upper.last_use, upper.reuse_gap = node.last_use, node.reuse_gap
         if node.page_keys is not None:
@@ -343,7 +344,7 @@ class RadixTree:
     def attach_host(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Records `slots` ([len(key)] int64, host allocator's) as the node's L2 copy."""
         assert node.host_slots is None and slots.shape == (len(node.key),), f"{node!r}: bad host attach"
-        node.host_slots = slots
+        node.host_slots, node.host_reclaimed = slots, False
         self._host += len(node.key)
 
     def detach_host(self, node: TreeNode) -> None:
@@ -394,6 +395,38 @@ class RadixTree:
             if parent in self._device_leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
         return freed
+
+    def reclaim_host(self, num_tokens: int) -> int:
+        """Frees the L2 copies of nodes L1 also holds (no transfer pinning them, not stale) until at
+        least `num_tokens` are freed, so that L1 and L2 together hold as many distinct pages as
+        they can: the copies of requests' running prefixes first (they stay on L1 longest), then
+        those L1 would evict last. The nodes stay on L1, marked `host_reclaimed`, for their owner
+        to copy down again before L1 drops them. Returns the L2 tokens freed."""
+        both = [n for n in self.nodes() if n.parent is not None and n.device_slots is not None
+                and n.host_slots is not None and n.host_pin == 0 and not n.stale]
+        both.sort(key=lambda n: self._priority(n, self.use_clock), reverse=True)
+        both.sort(key=lambda n: n.lock_ref == 0)
+        freed = 0
+        for node in both:
+            if freed >= num_tokens:
+                break
+            self._drop_host(node)
+            node.host_reclaimed = True
+            freed += len(node.key)
+        return freed
+
+    def host_takes(self, node: TreeNode) -> bool:
+        """Whether L2 can take `node`'s pages (an L1 node about to be dropped) without deleting a
+        host-only leaf it would keep longer than `node`: free or reclaimable room enough, or a
+        leaf of lower priority to delete."""
+        room = self.host_allocator.num_free_tokens() + sum(
+            len(n.key) for n in self.nodes() if n.parent is not None and n.device_slots is not None
+            and n.host_slots is not None and n.host_pin == 0 and not n.stale)
+        if room >= len(node.key):
+            return True
+        mine = self._priority(node, self.use_clock)
+        return any(self._priority(n, self.use_clock) < mine for n in self._leaves
+                   if not n.children and n.device_slots is None and n.host_pin == 0 and n.parent is not None)
 
     def evict_host(self, num_tokens: int) -> int:
         """Frees L2 slots of host-only leaves no transfer pins, lowest priority first, deleting

@@ -31,7 +31,7 @@ class Workload(NamedTuple):
     name: str
     rounds: list[list[Request]]
     l1: float  # L1 size as a fraction of the final working set
-    l2: float  # L2 size, the same way (write-through: L2 also holds what L1 holds)
+    l2: float  # L2 size, the same way (once full, L2 gives up its copies of what L1 holds)
     in_flight: int = 8
     retokenized: bool = False  # the next turn's prompt differs from the generated answer in its last token
     warmup: tuple[Request, ...] = ()  # played first, not measured (a benchmark's priming run)
@@ -191,7 +191,7 @@ def _release(cache: CacheManager, lease: Lease, q: Request, retokenized: bool = 
 def workloads() -> list[Workload]:
     """The workloads the policies are compared on. cyclic-64: the page-64 serving shape (2k-token
     first turns, 256-token questions, 64-token answers) scaled down 16x to page 4, 64
-    conversations, 8 in flight, round 0 alone larger than L2; -long-first: 4k-shaped first turns; -primed: the same after two conversations
+    conversations, 8 in flight, round 0 alone larger than L1 + L2; -long-first: 4k-shaped first turns; -primed: the same after two conversations
     that came back quickly (a benchmark's unmeasured priming run);
     -retokenized: each next prompt differs from the cached answer in its last token (a chat
     template's end of turn); cyclic-24: fewer, faster-growing conversations played one at a time;
@@ -200,10 +200,10 @@ def workloads() -> list[Workload]:
     rolling-sessions (sessions come and go), shared-prompt-users (short sessions of many users
     under one system prompt), zipf-64 (popular conversations come back more often)."""
     return [
-        sessions("cyclic-64", 64, 6, 128, 16, 4, 0.2, 0.5),
-        sessions("cyclic-64-long-first", 64, 6, 256, 16, 4, 0.2, 0.5),
-        sessions("cyclic-64-long-first-primed", 64, 6, 256, 16, 4, 0.2, 0.5, primed=2),
-        sessions("cyclic-64-retokenized", 64, 6, 128, 16, 4, 0.2, 0.5, retokenized=True),
+        sessions("cyclic-64", 64, 6, 128, 16, 4, 0.1, 0.4),
+        sessions("cyclic-64-long-first", 64, 6, 256, 16, 4, 0.1, 0.4),
+        sessions("cyclic-64-long-first-primed", 64, 6, 256, 16, 4, 0.1, 0.4, primed=2),
+        sessions("cyclic-64-retokenized", 64, 6, 128, 16, 4, 0.1, 0.4, retokenized=True),
         sessions("cyclic-24", 24, 6, 64, 16, 8, 0.1, 0.5, in_flight=1, seed=7),
         sessions("few-fit", 8, 6, 128, 16, 4, 0.4, 1.2, in_flight=2),
         agent("agent", 48, 64, 24, 3, 96, 0.1, 0.4),

@@ -196,6 +196,27 @@ def test_host_eviction_takes_unpinned_host_only_leaves_lru_first():
     assert h.ctrl.host_stats()["evicted_tokens"] == 6
 
 
+def test_a_full_l2_gives_up_copies_l1_holds_before_pages_only_it_holds():
+    h = Harness(ps=1, device_pages=12, host_pages=12)
+    h.run(seq(6, 0))
+    h.evict_all_device()  # seq 0: host-only
+    h.run(seq(6, 100))  # on both tiers; L2 has 0 free
+    h.run(seq(6, 200))  # its backup needs 6 L2 slots: seq 100's copy goes, its L1 pages stay
+    held = {n.key: n for n in h.tree.nodes()}  # (no match: it would refresh what it finds)
+    assert held[tuple(seq(6, 0))].host_slots is not None  # what only L2 held survives
+    s = h.ctrl.host_stats()
+    assert s["reclaimed_tokens"] == 6 and s["evicted_tokens"] == 0
+    reclaimed = [n for n in h.tree.nodes() if n.host_reclaimed]
+    assert reclaimed and all(n.device_slots is not None and n.host_slots is None for n in reclaimed)
+    h.evict_all_device()  # L1 copies the reclaimed pages down (L2 frees room for them) before dropping them
+    h.check()
+    held = {n.key: n for n in h.tree.nodes()}
+    assert held[tuple(seq(6, 100))].host_slots is not None, "a reclaimed page was lost on L1 eviction"
+    r = h.start("r", seq(6, 100) + [7])
+    h.assert_kv(seq(6, 100), r["slots"][:6])  # loaded back with the right KV
+    h.finish("r")
+
+
 def test_host_exhaustion_leaves_pages_device_only_and_nothing_leaks():
     h = Harness(ps=2, device_pages=16, host_pages=3)  # L2 holds 6 tokens
     h.run(seq(4))
