@@ -402,8 +402,7 @@ class RadixTree:
         they can: the copies of requests' running prefixes first (they stay on L1 longest), then
         those L1 would evict last. The nodes stay on L1, marked `host_reclaimed`, for their owner
         to copy down again before L1 drops them. Returns the L2 tokens freed."""
-        both = [n for n in self.nodes() if n.parent is not None and n.device_slots is not None
-                and n.host_slots is not None and n.host_pin == 0 and not n.stale]
+        both = [n for n in self.nodes() if _reclaimable(n)]
         both.sort(key=lambda n: self._priority(n, self.use_clock), reverse=True)
         both.sort(key=lambda n: n.lock_ref == 0)
         freed = 0
@@ -419,32 +418,26 @@ class RadixTree:
         """Whether L2 can take `node`'s pages (an L1 node about to be dropped) without deleting a
         host-only leaf it would keep longer than `node`: free or reclaimable room enough, or a
         leaf of lower priority to delete."""
-        room = self.host_allocator.num_free_tokens() + sum(
-            len(n.key) for n in self.nodes() if n.parent is not None and n.device_slots is not None
-            and n.host_slots is not None and n.host_pin == 0 and not n.stale)
+        room = self.host_allocator.num_free_tokens() + sum(len(n.key) for n in self.nodes() if _reclaimable(n))
         if room >= len(node.key):
             return True
         mine = self._priority(node, self.use_clock)
-        return any(self._priority(n, self.use_clock) < mine for n in self._leaves
-                   if not n.children and n.device_slots is None and n.host_pin == 0 and n.parent is not None)
+        return any(self._priority(n, self.use_clock) < mine for n in self._leaves if _host_deletable(n))
 
     def evict_host(self, num_tokens: int) -> int:
         """Frees L2 slots of host-only leaves no transfer pins, lowest priority first, deleting
         them, until at least `num_tokens` are freed. Returns the L2 tokens freed."""
-        def candidate(n: TreeNode) -> bool:
-            return not n.children and n.device_slots is None and n.host_pin == 0 and n.parent is not None
-
-        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._leaves if candidate(n)]
+        heap = [(self._priority(n, self.use_clock), n.id, n) for n in self._leaves if _host_deletable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            if not candidate(node):
+            if not _host_deletable(node):
                 continue
             freed += len(node.key)
             self._age(len(node.key))
             parent = self._remove(node)
-            if not parent.is_root and candidate(parent):
+            if not parent.is_root and _host_deletable(parent):
                 heapq.heappush(heap, (self._priority(parent, self.use_clock), parent.id, parent))
         return freed
 
@@ -585,3 +578,14 @@ class RadixTree:
         prefetches); `seed`: namespace -> page-key seed, to check the cached L3 page keys against a
         recomputation. AssertionError names the first violation."""
         check_tree(self, held_slots, expected_pins, held_host_slots, seed)
+
+
+def _reclaimable(node: TreeNode) -> bool:
+    """An L2 copy L2 may give up: of a node L1 also holds (and trusts), no transfer pinning it."""
+    return (node.parent is not None and node.device_slots is not None and node.host_slots is not None
+            and node.host_pin == 0 and not node.stale)
+
+
+def _host_deletable(node: TreeNode) -> bool:
+    """A host-only leaf no transfer pins: what L2 deletes when it needs room."""
+    return not node.children and node.device_slots is None and node.host_pin == 0 and node.parent is not None
