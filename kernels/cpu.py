@@ -338,10 +338,13 @@ def linear_quantized(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def pack_linear(weight: torch.Tensor, quantized: bool = False) -> PackedLinear | None:
     """`weight` [out, in] reordered once for oneDNN's linear (`linear`), and with `quantized` its
-    exact GGUF blocks (`quantize_exact`) for linears of few rows; None where torch has no oneDNN.
+    exact GGUF blocks (`quantize_exact`) for linears of few rows; None where torch has no oneDNN, or
+    for bfloat16 where oneDNN has no bfloat16 path on this CPU (no AVX-512 BW/VL/DQ nor AVX-NE-CONVERT).
     oneDNN runs float32 linears several times faster than the default BLAS on small batches; the
     blocks read 5 (Q4_1) or 3.8 (Q8_0) times fewer weight bytes than float32."""
     if not torch.backends.mkldnn.is_available() or weight.dtype not in DTYPES:
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight.detach()),
                         quantize_exact(weight) if quantized else None)
