@@ -27,6 +27,7 @@ class Transfer:
     def __init__(self, bootstrap: Bootstrap, start: int, tokens: int):
         self.bootstrap, self.start, self.tokens = bootstrap, start, tokens
         self.started = time.monotonic()
+        self.replied = self.received = 0.0  # when the reply's header came, when its last byte did
         self.kv: torch.Tensor | None = None
         self.first_token = -1
         self.error: str | None = None
@@ -49,8 +50,10 @@ class KVReceiver:
         self.bytes_per_token = pool.bytes_per_token()
         self._wake = threading.Event()
         self._lock = threading.Lock()
+        # seconds: transfer (the reply's first byte to its last), handoff (the first byte to the
+        # pages written into L1: prefill done to decode start), wait (the ask to that)
         self.counters = {"transfers": 0, "transfers_failed": 0, "bytes": 0, "pages": 0, "pages_skipped": 0,
-                         "seconds": 0.0}
+                         "transfer_seconds": 0.0, "handoff_seconds": 0.0, "wait_seconds": 0.0}
         self.pending = 0
 
     def ask(self, bootstrap: Bootstrap, token_ids: list[int], start: int) -> Transfer:
@@ -73,7 +76,10 @@ class KVReceiver:
         c["bytes"] += t.kv.numel() * t.kv.element_size()
         c["pages"] += -(-(t.tokens - t.start) // self.page_size)
         c["pages_skipped"] += t.start // self.page_size
-        c["seconds"] += time.monotonic() - t.started
+        now = time.monotonic()
+        c["transfer_seconds"] += t.received - t.replied
+        c["handoff_seconds"] += now - t.replied
+        c["wait_seconds"] += now - t.started
         t.kv = None
 
     def drop(self, t: Transfer) -> None:
@@ -87,7 +93,9 @@ class KVReceiver:
         self._wake.clear()
 
     def stats(self) -> dict:
-        return {**self.counters, "waiting": self.pending}
+        c = self.counters
+        rate = c["bytes"] / c["transfer_seconds"] if c["transfer_seconds"] > 0 else 0.0
+        return {**c, "waiting": self.pending, "bandwidth_bytes_per_s": rate}
 
     def _fetch(self, t: Transfer, dig: str) -> None:
         b = t.bootstrap
@@ -97,9 +105,11 @@ class KVReceiver:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 wire.send_frame(sock, {"room": b.room, "start": t.start, "tokens": t.tokens, "digest": dig})
                 reply = wire.recv_frame(sock)
+                t.replied = time.monotonic()
                 if "error" in reply:
                     raise wire.WireError(str(reply["error"]))
                 kv = self._payload(sock, reply, t, deadline)
+                t.received = time.monotonic()
             t.kv, t.first_token = kv, int(reply["first_token"])
             t.finish()
         except (OSError, wire.WireError, KeyError, TypeError, ValueError) as e:

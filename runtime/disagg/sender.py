@@ -47,8 +47,9 @@ class KVSender:
         self._cond = threading.Condition()
         self._ready: dict[int, Shipment] = {}
         self._asks: dict[int, Ask] = {}
+        # transfer_seconds: from the reply's first byte sent to its last
         self.counters = {"transfers": 0, "transfers_failed": 0, "transfers_expired": 0, "bytes": 0, "pages": 0,
-                         "pages_skipped": 0, "seconds": 0.0}
+                         "pages_skipped": 0, "transfer_seconds": 0.0}
         self._listener = socket.create_server((host, port), reuse_port=False)
         self._closed = False
         threading.Thread(target=self._accept, name="hicache-kv-sender", daemon=True).start()
@@ -80,7 +81,10 @@ class KVSender:
 
     def stats(self) -> dict:
         with self._cond:
-            return {**self.counters, "waiting": len(self._ready)}
+            c = dict(self.counters)
+            c["waiting"] = len(self._ready)
+        c["bandwidth_bytes_per_s"] = c["bytes"] / c["transfer_seconds"] if c["transfer_seconds"] > 0 else 0.0
+        return c
 
     def close(self) -> None:
         self._closed = True
@@ -103,9 +107,8 @@ class KVSender:
             try:
                 ask = wire.recv_frame(conn)
                 room, parsed = _parse_ask(ask)
-                started = time.monotonic()
                 shipment = self._claim(room, parsed)
-                self._answer(conn, room, parsed, shipment, started)
+                self._answer(conn, room, parsed, shipment)
             except (OSError, wire.WireError) as e:
                 logger.warning("disaggregation: transfer of room %s failed: %s", room, e)
                 with self._cond:
@@ -127,7 +130,7 @@ class KVSender:
             self._asks.pop(room, None)
             return self._ready.pop(room)
 
-    def _answer(self, conn: socket.socket, room: int, ask: Ask, s: Shipment | None, started: float) -> None:
+    def _answer(self, conn: socket.socket, room: int, ask: Ask, s: Shipment | None) -> None:
         error = _mismatch(ask, s)
         if error is not None:
             wire.send_frame(conn, {"room": room, "error": error})
@@ -136,6 +139,7 @@ class KVSender:
             return
         kv = s.kv[:, :, ask.start - s.start:]
         payload = wire.as_bytes(kv)
+        started = time.monotonic()
         wire.send_frame(conn, {"room": room, "first_token": s.first_token, "layout": self.layout,
                                "nbytes": len(payload)}, payload)
         with self._cond:
@@ -144,7 +148,7 @@ class KVSender:
             c["bytes"] += len(payload)
             c["pages"] += -(-(ask.tokens - ask.start) // self.page_size)
             c["pages_skipped"] += ask.start // self.page_size
-            c["seconds"] += time.monotonic() - started
+            c["transfer_seconds"] += time.monotonic() - started
 
 
 def _parse_ask(ask: dict) -> tuple[int, Ask]:
