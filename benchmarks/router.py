@@ -41,7 +41,8 @@ def start_router(worker_urls: list[str], policy: str = "cache_aware", *extra: st
     return _launch(["--worker-urls", *worker_urls, "--policy", policy, *extra], len(worker_urls))
 
 
-def start_pd_router(prefill_url: str, bootstrap_port: int, decode_url: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_pd_router(prefill_url: str, bootstrap_port: int, decode_url: str,
+                    *extra: str) -> tuple[subprocess.Popen, str]:
     """`sglang-router` in its PD mode in front of a prefill server (with its bootstrap port) and a
     decode server, once it reports both healthy; (process, url)."""
     return _launch(["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
