@@ -73,7 +73,7 @@ class Req:
         self.spec: SpecState | None = None  # its drafting state, once speculative decoding has looked at it
         self.adapter: LoraAdapter | None = None  # its LoRA adapter (part of `namespace`), None: the base model
         self.bootstrap: Bootstrap | None = None  # its other half under disaggregation (None: colocated)
-        self.transfer: Transfer | None = None  # its prompt's KV in flight from the prefill server (decode side)
+        self.incoming: Transfer | None = None  # its prompt's KV in flight from the prefill server (decode side)
 
     @property
     def status(self) -> Status:
@@ -91,7 +91,7 @@ class Req:
         (tokens before its last: a prompt chunk, a forced run, outputs recomputed after a
         retraction) or `DECODE` (its last token, sampling the next); `TRANSFERRING`: none yet,
         its prompt's KV is on its way."""
-        if self.transfer is not None:
+        if self.incoming is not None:
             return Status.TRANSFERRING
         return Status.DECODE if self.kv_len >= self.seq_len - 1 else Status.PREFILL
 

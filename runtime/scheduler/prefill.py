@@ -142,14 +142,14 @@ class PrefillPlanner:
         if req.cached_tokens is None:
             self.counters.count_cached(req, got.prefix, got.loaded)
         req.kv_len = got.prefix
-        req.transfer = self.receiver.ask(req.bootstrap, req.input_ids, got.prefix)
+        req.incoming = self.receiver.ask(req.bootstrap, req.input_ids, got.prefix)
         return True
 
     def _land(self) -> None:
         """Transfers that landed: their pages go into the slots their requests reserved, and each
         request goes on from its first token; one that failed ends with its error."""
-        for req in [r for r in self.queue.running if r.transfer is not None and r.transfer.done]:
-            t, req.transfer = req.transfer, None
+        for req in [r for r in self.queue.running if r.incoming is not None and r.incoming.done]:
+            t, req.incoming = req.incoming, None
             self.receiver.land(t, req.lease.slots[t.start:t.tokens])
             if t.error is not None:
                 self.queue.remove(req)

@@ -196,9 +196,9 @@ class Scheduler:
             return
         self.queue.remove(req)
         self.cache.dequeued(req.lease)
-        if req.transfer is not None:
-            self.receiver.drop(req.transfer)
-            req.transfer = None
+        if req.incoming is not None:
+            self.receiver.drop(req.incoming)
+            req.incoming = None
             self.memory.release(req, keep_kv=False)  # (its prompt's pages never landed)
         else:
             self.memory.release(req)
