@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hicache.server import stats_cli
 from server_harness import LIGHT_FLAGS, MODEL_NAME, free_port, start_server
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed")
@@ -123,7 +124,7 @@ def test_openai_routes_through_the_pd_router_equal_a_colocated_server(pd, server
     assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
 
 
-def test_the_second_turn_moves_only_its_new_pages(pd, server):
+def test_the_second_turn_moves_only_its_new_pages(pd, server, capsys):
     prefill, decode, url, _ = pd
     rng = random.Random()
     history = prompt(rng, 150)  # fresh: cached on neither server
@@ -145,6 +146,9 @@ def test_the_second_turn_moves_only_its_new_pages(pd, server):
     assert got["output_ids"] == want["output_ids"]
     metrics = httpx.get(decode.url + "/metrics", timeout=30).text
     assert f"hicache_disagg_pages_skipped_total {float(after['pages_skipped'])}" in metrics
+    assert stats_cli.run([prefill.url, decode.url], None, False, None) == 0  # `hicache stats --url P --url D`
+    shown = capsys.readouterr().out
+    assert "prefill server" in shown and "decode server" in shown and f"received {after['pages']} pages" in shown
 
 
 def test_a_prefill_server_killed_mid_request_fails_it_in_bounded_time(pd):
