@@ -2,13 +2,15 @@
 `--disaggregation-mode decode` server and sglang-router's PD mode in front of them, all real
 processes. Greedy outputs through the router equal the session's colocated server's on /generate
 (streaming and not) and the OpenAI routes; a conversation's second turn moves only its new pages
-(the decode side's tree holds the first turn); a prefill server killed mid-request gives the
-client an error in bounded time and leaves the decode server serving with no page held."""
+(the decode side's tree holds the first turn); a client gone while its KV is on the way, and a
+prefill server killed mid-request, leave the decode server serving with no page held, the latter
+with an error to the client in bounded time."""
 from __future__ import annotations
 
 import json
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -151,6 +153,36 @@ def test_the_second_turn_moves_only_its_new_pages(pd, server, capsys):
     assert "prefill server" in shown and "decode server" in shown and f"received {after['pages']} pages" in shown
 
 
+def settled(url: str, within: float = 30) -> dict:
+    """The server's stats once it runs nothing (`within` seconds at most)."""
+    deadline = time.monotonic() + within
+    while (stats := httpx.get(url + "/hicache/stats", timeout=30).json())["running"]:
+        assert time.monotonic() < deadline, "the server still runs a failed request"
+        time.sleep(0.1)
+    return stats
+
+
+def assert_nothing_held(stats: dict) -> None:
+    assert stats["pages_held"] == 0 and stats["disaggregation"]["waiting"] == 0
+    device = stats["tiers"]["device"]
+    assert device["used_tokens"] == device["cached_tokens"]  # every used slot is the tree's: none leaked
+
+
+def test_a_client_gone_while_its_kv_is_on_the_way_frees_the_decode_side(pd):
+    """The router or the client drops the request while the decode server waits for a prefill
+    server that never answers (a stand-in bootstrap server that accepts and stalls)."""
+    _, decode, _, _ = pd
+    stall = socket.create_server(("127.0.0.1", 0))
+    try:
+        body = {**greedy(prompt(random.Random(), 50), 4), "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": stall.getsockname()[1], "bootstrap_room": random.getrandbits(63)}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(decode.url + "/generate", json=body, timeout=1.5)
+        assert_nothing_held(settled(decode.url, 5))  # at once: not when the transfer times out (20 s)
+    finally:
+        stall.close()
+
+
 def test_a_prefill_server_killed_mid_request_fails_it_in_bounded_time(pd):
     """Last in the module: it kills the prefill server."""
     prefill, decode, url, _ = pd
@@ -160,7 +192,7 @@ def test_a_prefill_server_killed_mid_request_fails_it_in_bounded_time(pd):
     def call() -> None:
         started = time.monotonic()
         try:
-            result["status"] = httpx.post(url + "/generate", json=greedy(prompt(rng, 700), 4), timeout=60).status_code
+            result["status"] = httpx.post(url + "/generate", json=greedy(prompt(rng, 500), 4), timeout=60).status_code
         except httpx.HTTPError as e:
             result["status"] = repr(e)
         result["seconds"] = time.monotonic() - started
@@ -175,12 +207,6 @@ def test_a_prefill_server_killed_mid_request_fails_it_in_bounded_time(pd):
     caller.join(60)
     assert not caller.is_alive()
     assert result["status"] != 200 and result["seconds"] < 30, result
-    deadline = time.monotonic() + 30
-    while (stats := httpx.get(decode.url + "/hicache/stats", timeout=30).json())["running"]:
-        assert time.monotonic() < deadline, "the decode server still runs the failed request"
-        time.sleep(0.1)
-    assert stats["pages_held"] == 0 and stats["disaggregation"]["waiting"] == 0
-    device = stats["tiers"]["device"]
-    assert device["used_tokens"] == device["cached_tokens"]  # every used slot is the tree's: none leaked
+    assert_nothing_held(settled(decode.url))
     alone = httpx.post(decode.url + "/generate", json=greedy(prompt(rng, 10), 3), timeout=120)  # no room: colocated
     assert alone.status_code == 200 and len(alone.json()["output_ids"]) == 3
