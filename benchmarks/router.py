@@ -38,9 +38,21 @@ SERVER_FLAGS = "--page-size 16 --max-total-tokens 65536 --chunked-prefill-size 1
 def start_router(worker_urls: list[str], policy: str = "cache_aware", *extra: str) -> tuple[subprocess.Popen, str]:
     """`sglang-router` on 127.0.0.1 and a free port in front of `worker_urls`, once it reports
     every worker healthy; (process, url)."""
+    return _launch(["--worker-urls", *worker_urls, "--policy", policy, *extra], len(worker_urls))
+
+
+def start_pd_router(prefill_url: str, bootstrap_port: int, decode_url: str,
+                    *extra: str) -> tuple[subprocess.Popen, str]:
+    """`sglang-router` in its PD mode in front of a prefill server (with its bootstrap port) and a
+    decode server, once it reports both healthy; (process, url)."""
+    return _launch(["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
+                    *extra], 2)
+
+
+def _launch(args: list[str], workers: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn", *extra]
+           "--log-level", "warn", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
@@ -49,7 +61,7 @@ def start_router(worker_urls: list[str], policy: str = "cache_aware", *extra: st
             raise RuntimeError(f"router exited during startup:\n{proc.stderr.read()[-3000:]}")
         try:
             ready = httpx.get(url + "/readiness", timeout=2).json()
-            if ready.get("healthy_workers") == len(worker_urls):
+            if ready.get("healthy_workers") == workers:
                 return proc, url
         except (httpx.HTTPError, ValueError):
             pass

@@ -14,6 +14,8 @@ from typing import NamedTuple
 from hicache.runtime.attention import check_names
 
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("tcp",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,12 @@ class RuntimeConfig:
     lora_paths: tuple[str, ...] = field(default=(), metadata={"help": "LoRA adapters loaded at start, each NAME=PATH (or PATH, named by itself): a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)."})
     max_loras_per_batch: int = field(default=8, metadata={"help": "Most distinct LoRA adapters among the running requests (one batch); a request of another adapter waits."})
     max_lora_rank: int = field(default=64, metadata={"help": "Largest LoRA rank an adapter may have; a higher one is refused when loaded."})
+    disaggregation_mode: str = field(default="null", metadata={"help": "Prefill-decode disaggregation (SGLang's flag), behind sglang-router's PD mode: null (colocated), prefill (compute prompts and their first token, and send their KV to the decode server a request names) or decode (take each request's prompt KV, less the pages its own cache holds, from the prefill server it names, then decode). A request without bootstrap fields is served colocated on either."})
+    disaggregation_bootstrap_port: int = field(default=8998, metadata={"help": "Prefill: the TCP port of the bootstrap server that decode servers fetch KV pages from (the port given to the router after the prefill URL). Decode: the port asked when a request's bootstrap_port is null."})
+    disaggregation_bootstrap_host: str | None = field(default=None, metadata={"help": "Prefill: the address the bootstrap server binds; default: --host."})
+    disaggregation_transfer_backend: str = field(default="tcp", metadata={"help": "How KV pages move between the servers: tcp (length-prefixed frames over a TCP connection per request, from the prefill server's pool to the decode server's reserved pages)."})
+    disaggregation_ib_device: str | None = field(default=None, metadata={"help": "InfiniBand device of an RDMA transfer backend (SGLang's flag); the tcp backend uses none and refuses it."})
+    disaggregation_timeout: float = field(default=30.0, metadata={"help": "Seconds a transfer may take, from the decode server's ask to the last byte (and that the prefill server keeps a computed prompt's KV for an ask that has not come); past it the request fails with an error and its pages are freed."})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -78,6 +86,7 @@ class RuntimeConfig:
             raise ValueError("mem_fraction_static must be in (0, 1]")
         self._check_speculative()
         self._check_lora()
+        self._check_disaggregation()
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm is None:
@@ -111,6 +120,23 @@ class RuntimeConfig:
         names = [name for name, _ in map(_lora_path, self.lora_paths)]
         if len(set(names)) < len(names):
             raise ValueError(f"lora_paths: a name is given twice in {list(self.lora_paths)}")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
+                             f"got {self.disaggregation_transfer_backend!r}")
+        if self.disaggregation_ib_device is not None:
+            raise ValueError("disaggregation_ib_device: the tcp transfer backend uses no InfiniBand device")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], "
+                             f"got {self.disaggregation_bootstrap_port}")
+        if not self.disaggregation_timeout > 0:
+            raise ValueError(f"disaggregation_timeout must be > 0 seconds, got {self.disaggregation_timeout}")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            raise ValueError("disaggregation_mode: not supported with tp_size > 1 yet")
 
     @property
     def lora_on(self) -> bool:

@@ -60,15 +60,22 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  top_logprobs_num: int = 0, cache_salt: str = "", logprob_start_len: int = -1,
-                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None
-                 ) -> dict | list[dict]:
+                 return_text_in_logprobs: bool = False, lora_path: str | list[str | None] | None = None,
+                 bootstrap: tuple[str, int, int] | None = None) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a list (returns a list; n > 1 also gives a
         list). Bad input raises ValueError naming the field before anything is queued. With
         `return_logprob`, meta_info holds SGLang's log-prob fields (runtime/logprob_meta.py),
         prompt tokens from `logprob_start_len` on included. `lora_path`: the name of a loaded LoRA
-        adapter for every prompt, or a list of one (or None: the base model) per prompt."""
+        adapter for every prompt, or a list of one (or None: the base model) per prompt.
+        `bootstrap`: (host, port, room) of one prompt's other half on an engine in a
+        disaggregation mode (runtime/disagg/), as sglang-router's PD mode sets them."""
         msgs, single = self._requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, cache_salt,
                                       logprob_start_len, lora_path)
+        if bootstrap is not None:
+            if len(msgs) != 1:
+                raise ValueError("bootstrap: one prompt with n = 1")
+            msgs = [dataclasses.replace(msgs[0], bootstrap_host=bootstrap[0], bootstrap_port=bootstrap[1],
+                            bootstrap_room=bootstrap[2])]
         done = threading.Event()
         results: dict[str, list[TokenOutput]] = {m.rid: [] for m in msgs}
         remaining = [len(msgs)]
@@ -199,8 +206,8 @@ class Engine:
 
     def _result(self, msg: GenerateRequest, outs: list[TokenOutput], text_in_logprobs: bool = False) -> dict:
         last = outs[-1]
-        if last.error:
-            raise ValueError(last.error)
+        if last.error:  # refused as asked (400), or a peer it needed failed (a prefill server)
+            raise (ValueError if last.error_status == 400 else RuntimeError)(last.error)
         ids = [t for o in outs for t in o.new_token_ids]
         p = msg.sampling_params
         text = ""

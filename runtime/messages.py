@@ -27,6 +27,11 @@ class GenerateRequest:
     logprob_start_len: int = -1
     routed_dp_rank: int | None = None  # the server replica that must serve it (--dp-size); None: any
     lora_path: str | None = None  # the name of the LoRA adapter to run under (enable_lora); None: the base model
+    # prefill-decode disaggregation (sglang-router's PD mode): the prefill server's bootstrap
+    # address and the room that pairs this request's two halves; None: served colocated
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The fields as msgpack builtins; `sampling_params` as `SamplingParams.to_wire()`."""
@@ -59,7 +64,9 @@ class TokenOutput:
     `logprobs`: per new token [token_logprob, [[token_id, logprob], ...top-k]] when asked.
     `input_logprobs`: the same per prompt token from `logprob_start_len` on (the first one's
     [None, None]: nothing predicts it), once, with the request's first output after its prompt.
-    `error` is set (and finish_reason type "abort") when the request was rejected.
+    `error` is set (and finish_reason type "abort") when the request was rejected or failed;
+    `error_status`: its HTTP status (400: refused as asked; 502: a peer it needed failed, such as
+    the prefill server of a disaggregated request).
     """
 
     rid: str
@@ -69,6 +76,7 @@ class TokenOutput:
     logprobs: list | None = None
     error: str | None = None
     input_logprobs: list | None = None
+    error_status: int = 400
 
 
 def expand_n(msg: GenerateRequest) -> list[GenerateRequest]:

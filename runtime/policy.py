@@ -150,5 +150,7 @@ class BudgetPolicy:
 
     @staticmethod
     def victim(running: Sequence[Req]) -> Req:
-        """The request retracted when L1 runs out: the latest arrival."""
-        return max(running, key=lambda r: r.arrival_seq)
+        """The request retracted when L1 runs out: the latest arrival, not one whose prompt's KV
+        is on its way from a prefill server (that KV is sent once) unless no other runs."""
+        settled = [r for r in running if r.incoming is None]
+        return max(settled or running, key=lambda r: r.arrival_seq)

@@ -12,6 +12,8 @@ from hicache.runtime.lora.adapter import LoraAdapter
 from hicache.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from hicache.runtime.disagg import Bootstrap
+    from hicache.runtime.disagg.receiver import Transfer
     from hicache.runtime.spec.drafter import SpecState
 
 
@@ -21,6 +23,7 @@ class Status(Enum):
     WAITING = "waiting"  # queued, holding no KV
     PREFETCHING = "prefetching"  # queued; the L3 prefetch policy held it back when admission last looked
     LOADING = "loading"  # running; a load-back of its cached prefix from L2 may still be in flight
+    TRANSFERRING = "transferring"  # running; its prompt's KV is on its way from the prefill server (runtime/disagg/)
     PREFILL = "prefill"  # running; its next step computes tokens before its last (prompt, forced run)
     DECODE = "decode"  # running; its next step computes its last token and samples the next
     FINISHED = "finished"  # left the scheduler: finished or aborted
@@ -69,6 +72,8 @@ class Req:
         self.prefetch_wait = False  # the L3 prefetch policy kept it waiting when admission last looked
         self.spec: SpecState | None = None  # its drafting state, once speculative decoding has looked at it
         self.adapter: LoraAdapter | None = None  # its LoRA adapter (part of `namespace`), None: the base model
+        self.bootstrap: Bootstrap | None = None  # its other half under disaggregation (None: colocated)
+        self.incoming: Transfer | None = None  # its prompt's KV in flight from the prefill server (decode side)
 
     @property
     def status(self) -> Status:
@@ -84,7 +89,10 @@ class Req:
     def phase(self) -> Status:
         """What its next step computes, whether or not its prefix is still loading: `PREFILL`
         (tokens before its last: a prompt chunk, a forced run, outputs recomputed after a
-        retraction) or `DECODE` (its last token, sampling the next)."""
+        retraction) or `DECODE` (its last token, sampling the next); `TRANSFERRING`: none yet,
+        its prompt's KV is on its way."""
+        if self.incoming is not None:
+            return Status.TRANSFERRING
         return Status.DECODE if self.kv_len >= self.seq_len - 1 else Status.PREFILL
 
     @property

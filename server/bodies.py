@@ -20,6 +20,9 @@ Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenCount = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 Rid = Annotated[str, Field(max_length=512)]
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+Room = Annotated[StrictInt, Field(ge=0, le=2**64 - 1)]
+Host = Annotated[StrictStr, Field(min_length=1, max_length=255)]
 MAX_N = 128  # samples per prompt
 
 
@@ -109,6 +112,11 @@ class RouterDefaults(Strict):
     no_logs: Optional[StrictBool] = None
     separate_reasoning: Optional[StrictBool] = None
     stream_reasoning: Optional[StrictBool] = None
+    # its PD mode's: the prefill server's bootstrap address and the room pairing the request's
+    # halves (one per prompt on a batched /generate); acted on by disaggregated servers only
+    bootstrap_host: Optional[Union[Host, list[Host]]] = None
+    bootstrap_port: Optional[Union[Port, list[Optional[Port]]]] = None
+    bootstrap_room: Optional[Union[Room, list[Room]]] = None
 
 
 class SamplingFields(RouterDefaults):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from hicache.config import HiCacheConfig
 from hicache.runtime.config import RuntimeConfig
@@ -64,8 +65,12 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, RuntimeConfig
     """The configs of `hicache serve`, the secrets the flags do not give read from their files or
     the environment now (ValueError or TypeError on a bad value)."""
     resolve_secrets(args, os.environ)
-    return (config_from_args(ServerConfig, args), config_from_args(RuntimeConfig, args),
-            config_from_args(HiCacheConfig, args))
+    server, runtime = config_from_args(ServerConfig, args), config_from_args(RuntimeConfig, args)
+    if runtime.disaggregation_mode != "null" and server.dp_size > 1:
+        raise ValueError("disaggregation_mode: not supported with dp_size > 1 yet (one bootstrap server per server)")
+    if runtime.disaggregation_bootstrap_host is None:  # the bootstrap server binds where the HTTP server does
+        runtime = replace(runtime, disaggregation_bootstrap_host=server.host)
+    return server, runtime, config_from_args(HiCacheConfig, args)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -39,6 +39,8 @@ class SchedulerCollector:
         if isinstance(s.get("speculative"), dict):
             yield from _speculative_families(s["speculative"])
         yield from _tier_families(s.get("tiers", {}))
+        if isinstance(s.get("disaggregation"), dict):
+            yield from _disaggregation_families(s["disaggregation"])
         if isinstance(s.get("replicas"), list):
             yield from _replica_families(s["replicas"])
         if isinstance(s.get("router"), dict):
@@ -76,6 +78,16 @@ def _speculative_families(spec: dict):
         buckets.append(("+Inf", cumulative))
         yield HistogramMetricFamily("hicache_spec_accepted_per_draft", "Draft tokens accepted per draft.",
                                     buckets=buckets, sum_value=float(spec.get("accepted_tokens", 0)))
+
+
+def _disaggregation_families(d: dict):
+    """Prefill-decode disaggregation: KV transfers (sent on a prefill server, received on a decode
+    server), their bytes and pages, the pages not sent because the decode side had them, and
+    their seconds; transfers waiting and the bandwidth so far are levels."""
+    for key, value in d.items():
+        if _is_number(value):
+            cls = GaugeMetricFamily if key in ("waiting", "bandwidth_bytes_per_s") else CounterMetricFamily
+            yield cls(f"hicache_disagg_{key}", f"Disaggregation: {key.replace('_', ' ')}.", value=float(value))
 
 
 def _tier_families(tiers: dict):

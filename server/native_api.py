@@ -35,6 +35,7 @@ from hicache.server.protocol import (
 from hicache.server.serving import (
     ChoiceResult,
     SSE_HEADERS,
+    bootstraps_of,
     check_lora_paths,
     check_prompt,
     check_sampling,
@@ -69,7 +70,8 @@ async def generate(request: Request):
     reqs = make_requests(prompts, params, rid, body.return_logprob, body.top_logprobs_num,
                          body.cache_salt or body.extra_key, body.logprob_start_len,
                          _dp_rank(tm, body.routed_dp_rank, body.data_parallel_rank),
-                         check_lora_paths(tm, body.lora_path, len(prompts)))
+                         check_lora_paths(tm, body.lora_path, len(prompts)),
+                         bootstraps_of(body, len(prompts), params.n))
     multi = batched or params.n > 1
     shape = _Shape(body.return_logprob, (lambda t: tm.token_str(t)) if body.return_text_in_logprobs else None)
     if body.stream:

@@ -15,6 +15,7 @@ from hicache.server.protocol import APIError, parse_body
 from hicache.server.serving import (
     SSE_HEADERS,
     ChoiceResult,
+    bootstraps_of,
     check_lora_paths,
     check_prompt,
     check_sampling,
@@ -144,7 +145,8 @@ async def _run(request: Request, tm: TokenizerManager, body, job: _Job, max_toke
     job.skip_special_tokens = params.skip_special_tokens
     reqs = make_requests(job.prompts, params, job.id, job.logprobs, top, body.cache_salt,
                          logprob_start_len=0 if job.prompt_logprobs else -1,
-                         lora_paths=_lora_paths(tm, job, body.lora_path))
+                         lora_paths=_lora_paths(tm, job, body.lora_path),
+                         bootstraps=bootstraps_of(body, len(job.prompts), job.n))
     if body.stream:
         first, rest = await first_then_rest(stream_all(tm, reqs))
         if first[1].error is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, NamedTuple
 
 from fastapi import Request
@@ -215,10 +215,12 @@ def _too_long(tm: TokenizerManager, prompt_len: int, max_new: int, param: str) -
 def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: str, return_logprob: bool = False,
                   top_logprobs: int = 0, cache_salt: str | None = None,
                   logprob_start_len: int = -1, routed_dp_rank: int | None = None,
-                  lora_paths: list[str | None] | None = None) -> list[GenerateRequest]:
+                  lora_paths: list[str | None] | None = None, bootstraps: list[tuple] | None = None
+                  ) -> list[GenerateRequest]:
     """One request per (prompt, sample), prompt-major: OpenAI's choice index is the list index.
     `params.n` > 1 fans out as the Engine does (`expand_n`: rids `{rid}-{i}`, seeds `seed + i`).
-    `lora_paths`: each prompt's LoRA adapter (None: the base model)."""
+    `lora_paths`: each prompt's LoRA adapter (None: the base model); `bootstraps`: each prompt's
+    (host, port, room) under disaggregation (`bootstraps_of`)."""
     if len(prompts) * params.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n} completions; "
                        f"at most {MAX_CHOICES} per request", param="n", code="invalid_value")
@@ -229,8 +231,27 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, base_rid: st
                                top_logprobs_num=top_logprobs, cache_salt=cache_salt or "",
                                logprob_start_len=logprob_start_len, routed_dp_rank=routed_dp_rank,
                                lora_path=lora_paths[p] if lora_paths else None)
+        if bootstraps:
+            base = replace(base, bootstrap_host=bootstraps[p][0], bootstrap_port=bootstraps[p][1],
+                           bootstrap_room=bootstraps[p][2])
         reqs.extend(expand_n(base))
     return reqs
+
+
+def bootstraps_of(body, num_prompts: int, n: int) -> list[tuple] | None:
+    """Each prompt's (bootstrap_host, bootstrap_port, bootstrap_room), the fields sglang-router's
+    PD mode adds (None: it added none); 400 naming the field unless there is one room per
+    prompt and one sample per prompt."""
+    if body.bootstrap_room is None:
+        return None
+    rooms = body.bootstrap_room if isinstance(body.bootstrap_room, list) else [body.bootstrap_room]
+    per = [v if isinstance(v, list) else [v] * len(rooms) for v in (body.bootstrap_host, body.bootstrap_port)]
+    if not len(rooms) == len(per[0]) == len(per[1]) == num_prompts:
+        raise APIError(400, f"bootstrap_room: one room (with its bootstrap_host and bootstrap_port) per prompt; "
+                       f"{len(rooms)} rooms for {num_prompts} prompts", param="bootstrap_room", code="invalid_value")
+    if n != 1:
+        raise APIError(400, "n: a disaggregated request (bootstrap_room) takes n = 1", param="n", code="invalid_value")
+    return list(zip(per[0], per[1], rooms))
 
 
 async def stream_all(tm: TokenizerManager, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, Chunk]]:

@@ -150,6 +150,14 @@ def _summary(stats: dict, url: str) -> Table:
         t.add_row("speculative", f"drafts {_num(spec['drafts'])}",
                   f"accepted {_num(spec.get('accepted_tokens'))} of {_num(spec.get('draft_tokens'))} draft tokens",
                   f"{1 + spec.get('accepted_tokens', 0) / spec['drafts']:.2f} tokens a verified step")
+    pd = stats.get("disaggregation") or {}
+    if pd.get("mode") in ("prefill", "decode"):
+        moved = "sent" if pd["mode"] == "prefill" else "received"
+        t.add_row(f"{pd['mode']} server", f"transfers {_num(pd.get('transfers'))} "
+                  f"({_num(pd.get('transfers_failed'))} failed)",
+                  f"{moved} {_num(pd.get('pages'))} pages, {_bytes(pd.get('bytes', 0))} "
+                  f"at {_bytes(pd.get('bandwidth_bytes_per_s', 0))}/s",
+                  f"pages the decode side had {_num(pd.get('pages_skipped'))}")
     router = stats.get("router") or {}
     for r in stats.get("replicas") or []:  # one server's --dp-size replicas
         t.add_row(*_replica_row(r, router))

@@ -43,20 +43,19 @@ class RequestStream:
     def merge(self, outs: list[TokenOutput]) -> Chunk:
         new_ids: list[int] = []
         logprobs: list | None = None
-        finish, error, prompt = None, None, None
+        finish, error, prompt, status = None, None, None, 400
         for o in outs:
             new_ids.extend(o.new_token_ids)
             if o.logprobs:
                 logprobs = (logprobs or []) + list(o.logprobs)
             self.meta.update(o.meta or {})
             finish = o.finish_reason or finish
-            error = o.error or error
+            error, status = (o.error, o.error_status) if o.error else (error, status)
             prompt = o.input_logprobs or prompt
         self.output_ids.extend(new_ids)
         delta = self.stops.push(self.detok.add(new_ids)) if new_ids else ""
         if finish is not None:
             delta += self._finish(finish)
-        status = 400
         if error is not None and error.startswith(DEAD):
             error, status = error[len(DEAD):] or "scheduler process died", 503
         return Chunk(text_delta=delta, text=self.stops.final_text, new_ids=new_ids,

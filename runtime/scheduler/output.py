@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hicache.manager import CacheManager
     from hicache.runtime.batch import BatchPlan, StepOutput
     from hicache.runtime.counters import Counters
+    from hicache.runtime.disagg.sender import KVSender
     from hicache.runtime.grammar import GrammarCompiler
     from hicache.runtime.jump_forward import JumpForward
     from hicache.runtime.request import Req
@@ -28,12 +29,15 @@ if TYPE_CHECKING:
 
 
 class OutputProcessor:
+    """`sender` (a prefill server's, runtime/disagg/): a finishing request with a bootstrap room
+    ships its prompt's KV and first token to the decode server before its slots are released."""
+
     def __init__(self, queue: QueueState, cache: CacheManager, memory: Memory, grammars: GrammarCompiler,
                  stops: StopChecker, jump: JumpForward, counters: Counters, context_length: int,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, sender: KVSender | None = None):
         self.queue, self.cache, self.memory, self.grammars = queue, cache, memory, grammars
         self.stops, self.jump, self.counters, self.context_length = stops, jump, counters, context_length
-        self.drafter = drafter
+        self.drafter, self.sender = drafter, sender
         self._outbox: list[TokenOutput] = []
 
     def apply(self, plan: BatchPlan, out: StepOutput, accepted: Callable[[], None] | None = None) -> None:
@@ -89,15 +93,24 @@ class OutputProcessor:
             self._finish(req)
             self.emit(req, [], {"type": "length", "length": 0}, None)
             return
+        logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
+        self._append(req, [token, *(out.extra_ids[i] if out.extra_ids else ())], logprobs)
+
+    def received(self, req: Req, token: int) -> None:
+        """`req`'s prompt KV landed with its first token, sampled by the prefill server."""
+        self._append(req, [token], None)
+
+    def _append(self, req: Req, tokens: list[int], logprobs: list | None) -> None:
+        """Appends and stop-checks `tokens` one by one (a stop drops the rest; past the first: a
+        verify step's accepted drafts), follows them with what the grammar forces, emits them."""
         new, reason = [], None
-        for t in (token, *(out.extra_ids[i] if out.extra_ids else ())):  # past one: accepted drafts (no log-probs)
+        for t in tokens:
             req.output_ids.append(t)
             new.append(t)
             self.counters["generation_tokens"] += 1
             reason = self.stops.check(req, self.context_length)
             if reason is not None:
                 break
-        logprobs = [[out.logprobs[i], out.top_logprobs[i]]] if req.return_logprob else None
         forced, reason = self.jump(req) if reason is None else ([], reason)
         if reason is not None:
             self._finish(req)
@@ -117,6 +130,8 @@ class OutputProcessor:
 
     def _finish(self, req: Req) -> None:
         self.queue.remove(req)
+        if req.bootstrap is not None and self.sender is not None:
+            self.sender.ship(req.bootstrap.room, req.input_ids, req.lease.slots, req.output_ids[0])
         self.memory.release(req, keep_kv=req.cache_kv)
         self.counters["requests_finished"] += 1
 
@@ -141,9 +156,10 @@ class OutputProcessor:
         prompt = req.take_input_logprobs()
         self._outbox.append(TokenOutput(req.rid, new_ids, reason, usage(req), logprobs, input_logprobs=prompt))
 
-    def reject(self, rid: str, error: str | None) -> None:
-        """The abort output of a request refused before it ran (`error` says why)."""
-        self._outbox.append(TokenOutput(rid, [], {"type": "abort"}, error=error))
+    def reject(self, rid: str, error: str | None, status: int = 400) -> None:
+        """The abort output of a request refused before it ran, or failed (`error` says why,
+        `status`: its HTTP status)."""
+        self._outbox.append(TokenOutput(rid, [], {"type": "abort"}, error=error, error_status=status))
 
     def pending(self) -> bool:
         """Outputs not taken yet."""

@@ -4,6 +4,9 @@ Admission of a waiting request, in the policy's order: its grammar compiled, its
 it go (`CacheManager.prefetch_ready`), no running request computing most of its prompt
 (`BudgetPolicy.prefill_leaders`), then its cached prefix matched, locked and loaded back where it
 is on L2 (`CacheManager.admit`), and the slots of its first chunk taken (`CacheManager.grow`).
+On a decode server (runtime/disagg/), a request with a bootstrap room is admitted with the slots
+of its whole prompt instead, and asks the prefill server for the KV of what its cached prefix
+lacks (`KVReceiver.ask`); once that lands (`KVReceiver.land`) it decodes from its first token.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from hicache.runtime.request import Status
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
     from hicache.runtime.counters import Counters
+    from hicache.runtime.disagg.receiver import KVReceiver
     from hicache.runtime.policy import BudgetPolicy
     from hicache.runtime.request import Req
     from hicache.runtime.scheduler.decode import DecodePlanner
@@ -27,12 +31,14 @@ if TYPE_CHECKING:
 class PrefillPlanner:
     """`decode` adds the decoding requests to a step that computes a forced run (jump-forward);
     `output` applies a jump-forward before a request's first token and emits the abort of a
-    request whose grammar failed to compile."""
+    request whose grammar failed to compile; `receiver` (a decode server's): prompts' KV from
+    prefill servers."""
 
     def __init__(self, queue: QueueState, cache: CacheManager, policy: BudgetPolicy, memory: Memory,
-                 output: OutputProcessor, decode: DecodePlanner, counters: Counters):
+                 output: OutputProcessor, decode: DecodePlanner, counters: Counters,
+                 receiver: KVReceiver | None = None):
         self.queue, self.cache, self.policy, self.memory = queue, cache, policy, memory
-        self.output, self.decode, self.counters = output, decode, counters
+        self.output, self.decode, self.counters, self.receiver = output, decode, counters, receiver
         self.page_size = cache.page_size
 
     def plan(self, after: BatchPlan | None = None) -> BatchPlan | None:
@@ -42,6 +48,8 @@ class PrefillPlanner:
         (one token each), so that they do not wait for every chunk of a long prompt. With `after`
         (launched, not applied), the running requests are its own: their next chunks start where
         its chunks end, and memory comes from the free pool and the tree only."""
+        if self.receiver is not None and self.receiver.pending:
+            self._land()
         waiting = self.queue.has_waiting()
         self.cache.before_prefill(sum(r.prompt_left for r in (*self.queue.waiting, *self.queue.running)), waiting,
                                   decoding=waiting and any(r.phase is Status.DECODE for r in self.queue.running))
@@ -99,6 +107,10 @@ class PrefillPlanner:
                 continue  # the prefetch policy keeps it waiting for its L3 pages
             if got.end > got.start:  # what landed is in the tree (host-only), loaded back like any L2 hit
                 req.storage_range = (got.start, got.end)
+            if req.bootstrap is not None and self.receiver is not None:
+                if not self._receive(req, after):
+                    break
+                continue  # its KV comes from the prefill server: no compute, no budget
             if not req.output_ids and self.output.jump_first(req):
                 continue  # the forced text alone reached a stop or the length limit
             if self._waits_for_prefill(req, cached):
@@ -111,6 +123,42 @@ class PrefillPlanner:
                 continue  # its first chunk runs once its load has landed
             budget -= n
             self._add_chunk(plan, req, n, allocated=True)
+
+    def _receive(self, req: Req, after: BatchPlan | None) -> bool:
+        """Admits `req` with its cached prefix and the slots of the rest of its prompt, and asks
+        the prefill server for that rest. False (nothing held) when memory is short."""
+        match = self.cache.match(req.input_ids[:req.prefix_limit], req.namespace)
+        headroom = self.policy.decode_headroom(self.queue.running, launched=after is not None, admitting=req)
+        rest = len(req.input_ids) - match.tokens
+        got = self.cache.admit(req.lease, match, -(-rest // self.page_size) * self.page_size + headroom,
+                               load=not req.load_back_failed)
+        if got is None:
+            return False
+        if not self.cache.grow(req.lease, len(req.input_ids), headroom):
+            self.cache.drop(req.lease)
+            return False
+        self.queue.admit(req)
+        self.cache.dequeued(req.lease)
+        if req.cached_tokens is None:
+            self.counters.count_cached(req, got.prefix, got.loaded)
+        req.kv_len = got.prefix
+        req.incoming = self.receiver.ask(req.bootstrap, req.input_ids, got.prefix)
+        return True
+
+    def _land(self) -> None:
+        """Transfers that landed: their pages go into the slots their requests reserved, and each
+        request goes on from its first token; one that failed ends with its error."""
+        for req in [r for r in self.queue.running if r.incoming is not None and r.incoming.done]:
+            t, req.incoming = req.incoming, None
+            self.receiver.land(t, req.lease.slots[t.start:t.tokens])
+            if t.error is not None:
+                self.queue.remove(req)
+                self.memory.release(req, keep_kv=False)
+                self.counters["requests_aborted"] += 1
+                self.output.reject(req.rid, t.error, 502)
+                continue
+            req.kv_len = t.tokens
+            self.output.received(req, t.first_token)
 
     def _waits_for_prefill(self, req: Req, cached) -> bool:
         """Whether `req` waits for running requests computing a prompt it mostly shares; they are

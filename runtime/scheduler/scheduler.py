@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Callable
 
 from hicache.manager import CacheManager
 from hicache.runtime.batch import BatchPlan, StepOutput
 from hicache.runtime.config import RuntimeConfig
+from hicache.runtime import disagg
 from hicache.runtime.counters import Counters
 from hicache.runtime.grammar import GrammarCompiler, any_unseen, wait_compiling
 from hicache.runtime.jump_forward import JumpForward
@@ -68,15 +70,18 @@ class Scheduler:
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens, prefill_ahead,
                                    self.cache.has_host_tier, cuda)
         self.queue = QueueState()
+        self.sender, self.receiver = disagg.build(rc.disaggregation_mode, parts.pool, self.page_size,
+                                                  rc.disaggregation_bootstrap_host or "127.0.0.1",
+                                                  rc.disaggregation_bootstrap_port, rc.disaggregation_timeout)
         self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
         self.drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm \
             else None
         self.output = OutputProcessor(self.queue, self.cache, self.memory, self.grammars, self.stop_checker,
-                                      self.jump, self.counters, self.context_length, self.drafter)
+                                      self.jump, self.counters, self.context_length, self.drafter, self.sender)
         self.decode = DecodePlanner(self.queue, self.cache, self.policy, self.memory, self.stop_checker,
                                     self.context_length, self.drafter)
         self.prefill = PrefillPlanner(self.queue, self.cache, self.policy, self.memory, self.output, self.decode,
-                                      self.counters)
+                                      self.counters, self.receiver)
         self.overlap = OverlapLoop(self, prefill_ahead) if overlap else None
 
     @property
@@ -131,9 +136,14 @@ class Scheduler:
     def add_request(self, msg: GenerateRequest) -> None:
         try:
             params = self.validate(msg)
+            bootstrap = self._bootstrap(msg, params)
         except ValueError as e:
+            if self.sender is not None and msg.bootstrap_room is not None:
+                self.sender.fail(msg.bootstrap_room, f"the prefill server refused the request: {e}")
             self.output.reject(msg.rid, str(e))
             return
+        if bootstrap is not None and self.sender is not None:
+            params = replace(params, max_new_tokens=1)  # the first token goes with the KV; the decode server goes on
         seq = next(self._arrivals)
         gen = None if params.is_greedy else make_generator(params.seed, self.rc.random_seed * 1_000_003 + seq,
                                                            self.runner.device)
@@ -142,10 +152,22 @@ class Scheduler:
                   msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len)
         req.adapter = adapter
         req.arrival_seq = seq
+        req.bootstrap = bootstrap
         if params.grammar is not None:
             req.grammar = self.grammars.start(*params.grammar)
         self.queue.add(req)  # max_new_tokens 0 too: its prompt is computed (log-probs) and cached
         self.cache.prefetch(req.lease, req.all_ids[:-1])
+
+    def _bootstrap(self, msg: GenerateRequest, params: SamplingParams) -> disagg.Bootstrap | None:
+        """The request's other half under disaggregation; None: served colocated (this server is
+        not disaggregated, the request names no bootstrap room, or asks for no token). ValueError
+        for what a disaggregated request cannot ask for yet."""
+        if self.rc.disaggregation_mode == "null" or msg.bootstrap_room is None or params.max_new_tokens == 0:
+            return None
+        if params.grammar is not None or msg.return_logprob:
+            raise ValueError("bootstrap_room: a disaggregated request takes no grammar and no log-probs yet")
+        port = msg.bootstrap_port if msg.bootstrap_port is not None else self.rc.disaggregation_bootstrap_port
+        return disagg.Bootstrap(msg.bootstrap_host or "127.0.0.1", port, msg.bootstrap_room)
 
     def warm_up(self, prompt_tokens: int = 16, new_tokens: int = 8) -> None:
         """Runs one greedy request (a prefill, then decode steps) before serving, so that the
@@ -174,7 +196,14 @@ class Scheduler:
             return
         self.queue.remove(req)
         self.cache.dequeued(req.lease)
-        self.memory.release(req)
+        if req.incoming is not None:
+            self.receiver.drop(req.incoming)
+            req.incoming = None
+            self.memory.release(req, keep_kv=False)  # (its prompt's pages never landed)
+        else:
+            self.memory.release(req)
+        if req.bootstrap is not None and self.sender is not None:
+            self.sender.fail(req.bootstrap.room, "the request was aborted on the prefill server")
         self.counters["requests_aborted"] += 1
         self.output.emit(req, [], {"type": "abort"}, None)
 
@@ -216,8 +245,11 @@ class Scheduler:
         return out
 
     def idle_wait(self) -> None:
-        """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""
-        if not wait_compiling(self.queue.waiting):
+        """Nothing to run: wait a little for a prompt's KV from a prefill server, a grammar to
+        compile, or for the cache's transfers."""
+        if self.receiver is not None and self.receiver.pending:
+            self.receiver.wait(0.01)
+        elif not wait_compiling(self.queue.waiting):
             self.cache.idle_wait()
 
     def grammars_compiling(self) -> bool:
@@ -226,6 +258,8 @@ class Scheduler:
         return any_unseen(self.queue.waiting)
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         self.grammars.close()
         self.runner.close()
         self.cache.close()
@@ -284,6 +318,9 @@ class Scheduler:
         self.cache.check_integrity([r.lease for r in self.queue.running], self.rc.max_running_requests)
 
     def stats(self) -> dict:
+        part = self.sender or self.receiver
         return self.counters.report(self.cache.tier_stats(self.counters.hits(), self.bytes_per_token),
                                     running=self.queue.running_count(), queued=len(self.queue.waiting),
-                                    pages_held=self.pages_held(), page_size=self.page_size)
+                                    pages_held=self.pages_held(), page_size=self.page_size,
+                                    disaggregation={"mode": self.rc.disaggregation_mode,
+                                                    **(part.stats() if part is not None else {})})
