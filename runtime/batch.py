@@ -62,6 +62,34 @@ class BatchPlan:
         return sum(s + n for s, n in zip(self.starts, self.extend_lens))
 
 
+class RecurrentBatch(NamedTuple):
+    """The recurrent layers' part of a pass (a model with recurrent layers only): each request's
+    working slot of the state pool (`tiers/gpu/state.py`), and the snapshots to take, as
+    (request i, offset j in its chunk, slot): the state after the chunk's token j is copied into
+    that slot (the state at a page boundary the chunk reaches)."""
+
+    pool: Any  # a RecurrentStatePool
+    slots: list[int]  # per request
+    slots_dev: torch.Tensor  # [N] int64, device: the same
+    snapshots: list[tuple[int, int, int]]
+
+    @classmethod
+    def build(cls, pool: Any, slots: list[int], boundaries: list[int | None], starts: list[int],
+              extend_lens: list[int], page_size: int, device: torch.device) -> RecurrentBatch:
+        """Request i computes tokens [starts[i], starts[i] + extend_lens[i]); where that reaches a
+        page boundary, the state at the last one goes to `boundaries[i]`."""
+        snapshots = []
+        for i, (dst, s, n) in enumerate(zip(boundaries, starts, extend_lens)):
+            boundary = (s + n) // page_size * page_size
+            if dst is not None and boundary > s:
+                snapshots.append((i, boundary - s - 1, dst))
+        return cls(pool, slots, torch.tensor(slots, dtype=torch.int64, device=device), snapshots)
+
+    def snapshots_of(self, i: int) -> dict[int, int]:
+        """Request i's snapshots: offset in its chunk -> slot."""
+        return {j: dst for r, j, dst in self.snapshots if r == i}
+
+
 @dataclass
 class ForwardBatch:
     """Tensors for one forward pass, read by the model and the attention backend."""
@@ -87,6 +115,7 @@ class ForwardBatch:
     wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, before each attention
     window: ForwardBatch | None = None  # with a windowed pool: this batch over the windowed layers' slots
     lora: Any = None  # a LoraBatch (runtime/lora/batch.py) when some request runs under a LoRA adapter
+    states: RecurrentBatch | None = None  # with recurrent layers: the requests' state slots
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:
