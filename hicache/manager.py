@@ -29,7 +29,7 @@ from hicache.ngram import NONE as NO_PROPOSAL, NgramIndex, Proposal
 from hicache.pagekey import PageKeys
 from hicache.config import StorageOptions
 from hicache.prefetch import PrefetchOp, StorageRange
-from hicache.recurrent import RecurrentPolicy
+from hicache.recurrent import RecurrentPolicy, StateSlots
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, RequestTable, StorageEngine, TransferEngine
 from hicache.tree import MatchResult, RadixTree
@@ -43,12 +43,10 @@ class Lease:
     the lease); slots [prefix_len, len(slots)) belong to the request. `row` is its row of the
     request-to-token table while it holds KV. `namespace` keys its prefix in the tree (cache salt);
     `owner` is the caller's (the request). `prefetch`: its L3 prefetch while it waits (None: none).
-    For a model with recurrent layers (`hicache/recurrent.py`), while held: `state`, its working
-    state's slot of the state pool, and `boundary`, the slot of its state after `boundary_at`
-    tokens, the last page boundary it computed (None, None, 0 otherwise)."""
+    `states`: its slots of the recurrent-state pool while held, for a model with recurrent layers
+    (`hicache/recurrent.py: StateSlots`; None otherwise)."""
 
-    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "prefetch", "_node", "_loads", "state",
-                 "boundary", "boundary_at")
+    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "prefetch", "_node", "_loads", "states")
 
     def __init__(self, namespace: str = "", owner: object = None):
         self.namespace, self.owner = namespace, owner
@@ -58,9 +56,7 @@ class Lease:
         self.prefetch: PrefetchOp | None = None
         self._node = None  # the tree node its lock sits on
         self._loads: frozenset[int] = frozenset()  # load-backs its prefix still waits for
-        self.state: int | None = None
-        self.boundary: int | None = None
-        self.boundary_at = 0
+        self.states: StateSlots | None = None
 
     @property
     def held(self) -> bool:
@@ -174,12 +170,15 @@ class CacheManager:
             m = self.states.fit(m)
         return Match(m.device_slots.numel(), m.host_hit_tokens, m)
 
-    def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True) -> Admission | None:
+    def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True,
+              resume_limit: int = 0) -> Admission | None:
         """Locks `match`'s L1 part for `lease`, takes a table row and, with `load`, brings the L2
         part back into fresh L1 pages (all or nothing) keeping `load_room` more tokens free for
         the first chunk after it. None when memory is short (no row, or no L1 room for the L2
         part yet): the lease then holds nothing and the request waits. A short L2 part, or a
-        copy that failed at once, is not loaded: the request recomputes it."""
+        copy that failed at once, is not loaded: the request recomputes it. `resume_limit`: the
+        most tokens a match of the request's tokens may cover (with recurrent layers, the state
+        there is kept as well as at its end: `RecurrentPolicy.start`)."""
         m = match.result
         self.tree.lock(m.last_node)
         lease._node, lease.slots = m.last_node, m.device_slots
@@ -202,7 +201,7 @@ class CacheManager:
             self._resume_on_l1(lease, self.states.on_device(m))
         lease.prefix_len = lease.slots.numel()
         if self.states is not None:
-            self.states.start(lease)
+            self.states.start(lease, resume_limit)
         self.req_table.write(lease.row, 0, lease.slots)
         lease._loads = self.host.pending_loads(lease._node)
         return Admission(lease.prefix_len, loaded)
@@ -309,7 +308,7 @@ class CacheManager:
         nodes = self.tree.path(token_ids[:kv], lease.namespace)
         cached = torch.cat([node.device_slots for node in nodes])
         if self.states is not None:
-            self.states.keep(lease, nodes[-1], kv)
+            self._snapshot(lease, token_ids, kv)
         self.tree.lock(nodes[-1])
         self.tree.unlock(lease._node)
         if present > lease.prefix_len:  # pages the tree held already: the request reads the tree's
@@ -318,11 +317,13 @@ class CacheManager:
         lease._node, lease.prefix_len = nodes[-1], kv
         lease.slots = torch.cat([cached, lease.slots[kv:]])
 
-    def _snapshot(self, lease: Lease, token_ids: list[int], end: int) -> None:
-        """The node of the tree that ends at token `end` of the lease's tokens keeps its state there."""
-        nodes = self.tree.path(token_ids[:end], lease.namespace)
-        if nodes and sum(len(node.key) for node in nodes) == end:
-            self.states.keep(lease, nodes[-1], end)
+    def _snapshot(self, lease: Lease, token_ids: list[int], upto: int) -> None:
+        """The tree holds the lease's tokens up to `upto`: the nodes that end where the lease holds
+        a recurrent state keep it (`RecurrentPolicy.ends`)."""
+        for end in self.states.ends(lease, upto):
+            nodes = self.tree.path(token_ids[:end], lease.namespace)
+            if nodes and sum(len(node.key) for node in nodes) == end:
+                self.states.keep(lease, nodes[-1], end)
 
     def drop(self, lease: Lease) -> None:
         """Unlocks the lease and frees its row and state slots; its own KV slots must have been freed."""

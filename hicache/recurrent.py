@@ -6,18 +6,19 @@ A request's recurrent state after token t depends on every token before it, so a
 is usable only where the tree also holds the state after it: a snapshot. The states live in a
 `StatePool` on L1 (tiers/base.py), a slot each:
 
-- A leased request holds two slots: its working state (the runner continues it chunk after chunk)
-  and its boundary state, which the runner overwrites with the state at each page boundary its
-  chunks reach (`runtime/batch.py: RecurrentBatch`), so that it holds the state after the last
-  whole page the request computed (`Lease.boundary_at` tokens).
-- When the request gives its pages to the tree (release, publish), the node that ends at that
-  boundary takes the boundary state as its snapshot, unless it has one.
+- A leased request holds three slots (`StateSlots`): its working state (the runner continues it
+  chunk after chunk), the state at the last page boundary it computed, which the runner
+  overwrites at each page boundary its chunks reach (`runtime/batch.py: RecurrentBatch`), and the
+  state at the last page boundary before its last token, where the same prompt sent again would
+  resume.
+- When the request gives its pages to the tree (release, publish), the nodes that end at those
+  boundaries take copies of those states as their snapshots, unless they have some.
 - A match is cut back to the deepest node with a snapshot (`fit`), on L1 or, with the pages of
   its L2 part loaded back, on L2 (the snapshot itself stays on L1); on admission the working
   state starts as that snapshot, or as zeros with no prefix.
 - Snapshots are a cache: one whose node has left the tree goes (`sweep`), and when the pool is
-  short the least recently matched go first (`_alloc`). The pool holds two slots per table row,
-  so leases never wait for snapshots.
+  short the least recently matched go first (`_alloc`). The pool holds more than three slots per
+  table row, so leases never wait for snapshots.
 
 Only the scheduler thread calls it.
 """
@@ -25,6 +26,33 @@ from __future__ import annotations
 
 from hicache.tiers.base import StatePool
 from hicache.tree import MatchResult, RadixTree, TreeNode
+
+
+class StateSlots:
+    """A leased request's slots of the state pool: `working`, the state after the tokens it has
+    computed (the runner continues it chunk after chunk), and two snapshots the runner takes as
+    its chunks reach their positions (`targets`): `last`, the state at the last page boundary it
+    computed (`last_at` tokens), and `resume`, the state at `resume_at` tokens, the deepest page
+    boundary a request with the same tokens would resume from (0: none to take)."""
+
+    __slots__ = ("working", "last", "resume", "last_at", "resume_at")
+
+    def __init__(self, working: int, last: int, resume: int):
+        self.working, self.last, self.resume = working, last, resume
+        self.last_at = self.resume_at = 0
+
+    def slots(self) -> tuple[int, int, int]:
+        return self.working, self.last, self.resume
+
+    def targets(self, start: int, n: int, page_size: int) -> list[tuple[int, int]]:
+        """(j, slot) for each snapshot a chunk computing tokens [start, start + n) takes: the state
+        after its token j goes to that slot."""
+        end = start + n
+        boundary = end // page_size * page_size
+        out = [(boundary - start - 1, self.last)] if boundary > start else []
+        if start < self.resume_at <= end:
+            out.append((self.resume_at - start - 1, self.resume))
+        return out
 
 
 class RecurrentPolicy:
@@ -59,51 +87,62 @@ class RecurrentPolicy:
     # ---- a leased request -----------------------------------------------------------------
 
     def take(self, lease, match_end: TreeNode) -> bool:
-        """Two slots for the lease (its working and boundary states), keeping the snapshot of
-        `match_end`, the node its fitted match ends at; False, holding none, when the pool lacks
-        them even so."""
-        state = self._alloc(keep=match_end)
-        boundary = self._alloc(keep=match_end) if state is not None else None
-        if boundary is None:
-            if state is not None:
-                self.state_pool.free(state)
-            return False
-        lease.state, lease.boundary = state, boundary
+        """Three slots for the lease (`StateSlots`), keeping the snapshot of `match_end`, the node
+        its fitted match ends at; False, holding none, when the pool lacks them even so."""
+        slots = []
+        for _ in range(3):
+            slot = self._alloc(keep=match_end)
+            if slot is None:
+                for taken in slots:
+                    self.state_pool.free(taken)
+                return False
+            slots.append(slot)
+        lease.states = StateSlots(*slots)
         return True
 
-    def start(self, lease) -> None:
+    def start(self, lease, resume_limit: int) -> None:
         """The lease's prefix is final: its working state becomes the snapshot of the node it
-        ends at (zeros without a prefix)."""
-        lease.boundary_at = lease.prefix_len
-        if lease.prefix_len == 0:
-            self.state_pool.clear(lease.state)
+        ends at (zeros without a prefix); a snapshot will be taken at the last page boundary up to
+        `resume_limit`, where a request with the same tokens would resume, if past the prefix."""
+        st, prefix = lease.states, lease.prefix_len
+        resume = resume_limit // self.page_size * self.page_size
+        st.last_at, st.resume_at = prefix, resume if resume > prefix else 0
+        if prefix == 0:
+            self.state_pool.clear(st.working)
             return
-        self.state_pool.copy(self._snapshots[lease._node], lease.state)
-        self.counters["restored_tokens"] += lease.prefix_len
+        self.state_pool.copy(self._snapshots[lease._node], st.working)
+        self.counters["restored_tokens"] += prefix
 
     def advance(self, lease, computed: int) -> None:
-        """The lease's request has computed `computed` tokens: its boundary state is the state at
-        the last page boundary (the runner took it as the chunk reached it)."""
-        lease.boundary_at = max(lease.boundary_at, computed // self.page_size * self.page_size)
+        """The lease's request has computed `computed` tokens: its last boundary state is the state
+        at the last page boundary (the runner took it as the chunk reached it)."""
+        st = lease.states
+        st.last_at = max(st.last_at, computed // self.page_size * self.page_size)
+
+    def ends(self, lease, upto: int) -> list[int]:
+        """The token counts up to `upto`, past the lease's prefix, after which it holds a state."""
+        st = lease.states
+        taken = [st.last_at] + ([st.resume_at] if st.resume_at and st.last_at >= st.resume_at else [])
+        return sorted({end for end in taken if lease.prefix_len < end <= upto})
 
     def keep(self, lease, node: TreeNode, end: int) -> None:
-        """The tree holds the lease's tokens up to `end`, ending at `node`: the node takes (a copy
-        of) the lease's boundary state when that is the state after `end` and it has none."""
-        if node.parent is None or node in self._snapshots or lease.boundary_at != end or end <= lease.prefix_len:
+        """The tree holds the lease's tokens up to `end` (one of `ends`), ending at `node`: the
+        node takes a copy of the lease's state there unless it has a snapshot."""
+        if node.parent is None or node in self._snapshots:
             return
+        st = lease.states
         slot = self._alloc(keep=node)
         if slot is not None:
-            self.state_pool.copy(lease.boundary, slot)
+            self.state_pool.copy(st.last if end == st.last_at else st.resume, slot)
             self._snapshots[node] = slot
             self.counters["snapshots_taken"] += 1
 
     def drop(self, lease) -> None:
         """The lease holds nothing any more: its slots go back."""
-        for slot in (lease.state, lease.boundary):
-            if slot is not None:
+        if lease.states is not None:
+            for slot in lease.states.slots():
                 self.state_pool.free(slot)
-        lease.state = lease.boundary = None
-        lease.boundary_at = 0
+        lease.states = None
 
     # ---- the pool -------------------------------------------------------------------------
 
@@ -139,11 +178,11 @@ class RecurrentPolicy:
                 "snapshots": len(self._snapshots), **self.counters}
 
     def check_integrity(self, leases: list) -> None:
-        """Every state slot free, held by one lease (two each) or the snapshot of one node in the
+        """Every state slot free, held by one lease (three each) or the snapshot of one node in the
         tree. AssertionError names the first violation."""
         self.sweep()
         owners: dict[int, object] = {}
-        held = [(s, lease) for lease in leases for s in (lease.state, lease.boundary) if s is not None]
+        held = [(s, lease) for lease in leases if lease.states is not None for s in lease.states.slots()]
         for slot, owner in held + [(s, n) for n, s in self._snapshots.items()]:
             assert slot not in owners, f"state slot {slot} is held twice ({owners[slot]!r}, {owner!r})"
             owners[slot] = owner

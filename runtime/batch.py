@@ -74,20 +74,19 @@ class RecurrentBatch(NamedTuple):
     snapshots: list[tuple[int, int, int]]
 
     @classmethod
-    def build(cls, pool: Any, slots: list[int], boundaries: list[int | None], starts: list[int],
-              extend_lens: list[int], page_size: int, device: torch.device) -> RecurrentBatch:
-        """Request i computes tokens [starts[i], starts[i] + extend_lens[i]); where that reaches a
-        page boundary, the state at the last one goes to `boundaries[i]`."""
-        snapshots = []
-        for i, (dst, s, n) in enumerate(zip(boundaries, starts, extend_lens)):
-            boundary = (s + n) // page_size * page_size
-            if dst is not None and boundary > s:
-                snapshots.append((i, boundary - s - 1, dst))
+    def build(cls, pool: Any, slots: list[int], targets: list[list[tuple[int, int]]],
+              device: torch.device) -> RecurrentBatch:
+        """`targets[i]`: request i's snapshots, (offset j in its chunk, slot)."""
+        snapshots = [(i, j, dst) for i, pairs in enumerate(targets) for j, dst in pairs]
         return cls(pool, slots, torch.tensor(slots, dtype=torch.int64, device=device), snapshots)
 
-    def snapshots_of(self, i: int) -> dict[int, int]:
-        """Request i's snapshots: offset in its chunk -> slot."""
-        return {j: dst for r, j, dst in self.snapshots if r == i}
+    def snapshots_of(self, i: int) -> dict[int, list[int]]:
+        """Request i's snapshots: offset in its chunk -> the slots that get the state after it."""
+        out: dict[int, list[int]] = {}
+        for r, j, dst in self.snapshots:
+            if r == i:
+                out.setdefault(j, []).append(dst)
+        return out
 
 
 @dataclass

@@ -119,11 +119,11 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
 
 def state_pool(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> RecurrentStatePool:
     """The L1 state pool of a model with recurrent layers: `max_mamba_cache_size` slots (default
-    four per running request: two for each, the rest for the radix tree's snapshots)."""
-    slots = rc.max_mamba_cache_size or 4 * rc.max_running_requests
-    if slots <= 2 * rc.max_running_requests:
-        raise ValueError(f"max_mamba_cache_size ({slots}) must exceed 2 x max_running_requests "
-                         f"({2 * rc.max_running_requests}): every running request holds two state slots")
+    five per running request: three for each, the rest for the radix tree's snapshots)."""
+    slots = rc.max_mamba_cache_size or 5 * rc.max_running_requests
+    if slots <= 3 * rc.max_running_requests:
+        raise ValueError(f"max_mamba_cache_size ({slots}) must exceed 3 x max_running_requests "
+                         f"({3 * rc.max_running_requests}): every running request holds three state slots")
     lin = cfg.linear
     conv, ssm = (lin.conv_dim, lin.conv_kernel - 1), (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
     pool = RecurrentStatePool(slots, len(cfg.recurrent_layers), conv, ssm, dtype, device)

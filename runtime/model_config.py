@@ -285,7 +285,7 @@ class ModelConfig:
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
             qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
             qk_norm=family.qk_norm,
-            moe=(_deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d)) if _sparse(d, family) else None,
+            moe=None if not _sparse(d, family) else _deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d),
             **extra,
         )
 
@@ -301,7 +301,8 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
-        if self.architecture in ("Gemma3ForCausalLM", "Qwen3NextForCausalLM", *_DEEPSEEK) or self.sliding_window is not None:
+        special = ("Gemma3ForCausalLM", "Qwen3NextForCausalLM", *_DEEPSEEK)
+        if self.architecture in special or self.sliding_window is not None:
             raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],

@@ -164,10 +164,11 @@ class ModelRunner:
             batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]
         batch.attach_window(batch.max_seq_len)
         if self.states is not None:
-            leases = [r.lease for r in plan.reqs]
-            batch.states = RecurrentBatch.build(self.states, [lease.state for lease in leases],
-                                                [lease.boundary for lease in leases], plan.starts, plan.extend_lens,
-                                                self.pool.allocator.page_size, self.device)
+            held = [r.lease.states for r in plan.reqs]
+            page = self.pool.allocator.page_size
+            batch.states = RecurrentBatch.build(
+                self.states, [st.working for st in held],
+                [st.targets(s, n, page) for st, s, n in zip(held, plan.starts, plan.extend_lens)], self.device)
         ids_dev = input_ids if input_ids is not None else meta[4 * n + total:]
         return ids_dev, meta[4 * n:4 * n + total], batch
 

@@ -145,13 +145,14 @@ class GatedDeltaNet(nn.Module):
         else:
             ends = torch.tensor(batch.extend_lens).cumsum(0).tolist()
             out = torch.cat([self.extend(mixed[e - n:e], beta[e - n:e], g[e - n:e], conv, ssm, states.slots[i],
-                                         states.snapshots_of(i)) for i, (e, n) in enumerate(zip(ends, batch.extend_lens))])
+                                         states.snapshots_of(i))
+                             for i, (e, n) in enumerate(zip(ends, batch.extend_lens))])
         return linear(self.gated_norm(out.to(x.dtype), z).flatten(1), self.out_proj, self.packs.get("out_proj"))
 
     def extend(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-               slot: int, snapshots: dict[int, int]) -> torch.Tensor:
+               slot: int, snapshots: dict[int, list[int]]) -> torch.Tensor:
         """One request's chunk of n tokens from its state in `slot`, which it leaves holding the
-        state after the chunk; `snapshots`: token offset -> the slot that gets the state after it."""
+        state after the chunk; `snapshots`: token offset -> the slots that get the state after it."""
         n, K = mixed.shape[0], self.lin.conv_kernel
         window = torch.cat([conv[slot], mixed.t().to(conv.dtype)], dim=-1)  # [conv_dim, K - 1 + n]
         conv_out = F.silu(F.conv1d(window[None], self.conv1d, groups=window.shape[0])[0]).t()
@@ -160,9 +161,9 @@ class GatedDeltaNet(nn.Module):
         for t in range(n):
             out, state = delta_step(state, q[t], k[t], v[t], g[t], beta[t])
             outs.append(out)
-            if t in snapshots:
-                conv[snapshots[t]].copy_(window[:, t + 1:t + K])
-                ssm[snapshots[t]].copy_(state)
+            for dst in snapshots.get(t, ()):
+                conv[dst].copy_(window[:, t + 1:t + K])
+                ssm[dst].copy_(state)
         conv[slot].copy_(window[:, n:])
         ssm[slot].copy_(state)
         return torch.stack(outs)
