@@ -116,10 +116,10 @@ def test_engine_greedy_matches_hf_batched_and_chunked(tiny):
     assert device["snapshots"] >= 4 and device["restored_tokens"] == sum(o["meta_info"]["cached_tokens"] for o in outs)
 
 
-def _scheduler(folder: Path, **options):
+def _scheduler(folder: Path, hicache_ratio: float = 2.0, **options):
     rc = RuntimeConfig(model_path=str(folder), **{"max_total_tokens": 512, "max_running_requests": 4,
                                                   "chunked_prefill_size": 16, **options})
-    return build_scheduler(rc, HiCacheConfig(page_size=PAGE, hicache_storage_backend="none",
+    return build_scheduler(rc, HiCacheConfig(page_size=PAGE, hicache_storage_backend="none", hicache_ratio=hicache_ratio,
                                              hicache_load_decision="always"))
 
 
@@ -208,3 +208,25 @@ def test_config_and_refusals(tiny):
         _scheduler(folder, max_mamba_cache_size=12)
     with pytest.raises(ValueError, match="recurrent"):
         _scheduler(folder, speculative_algorithm="NGRAM")
+
+
+def test_turn_two_after_l1_eviction_loads_back_from_l2(tiny):
+    """Turn 1's pages are evicted from L1 by other requests (their L2 copies stay, and so does the
+    snapshot, on L1): turn 2 loads the pages back from L2 up to the snapshot's node, restores the
+    state there, and answers as HF does."""
+    hf, folder = tiny
+    turn1 = _prompts(8, (42,))[0]
+    answer = hf_greedy(hf, turn1, NEW_TOKENS)
+    turn2 = turn1 + answer + _prompts(9, (6,))[0]
+    sched = _scheduler(folder, max_total_tokens=96, hicache_ratio=8.0)
+    try:
+        assert _run(sched, "t1", [turn1])[0][0] == answer
+        for i, other in enumerate(_prompts(10, (60, 60))):
+            _run(sched, f"o{i}", [other])
+        out, meta = _run(sched, "t2", [turn2])[0]
+        stats = sched.stats()
+    finally:
+        sched.close()
+    assert meta["cached_tokens_details"]["host"] > 0 and meta["cached_tokens"] == 48, meta
+    assert out == hf_greedy(hf, turn2, NEW_TOKENS)
+    assert stats["tiers"]["host"]["loaded_back_tokens"] > 0, stats["tiers"]["host"]
