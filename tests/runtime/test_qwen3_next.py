@@ -170,16 +170,18 @@ def test_conversation_turn_two_restores_the_state(tiny):
     assert device["restored_tokens"] == 48
 
 
-def test_retraction_and_snapshot_eviction(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_and_snapshot_eviction(tiny, overlap):
     """An L1 pool too small for four requests' outputs retracts some (their pages and their
     boundary states go to the tree, and they resume from there), and a state pool of 14 slots for
     four running requests (three each) evicts snapshots as others come: HF's outputs throughout,
-    then a second round resuming from what survived."""
+    then a second round resuming from what survived; with and without overlap scheduling."""
     hf, folder = tiny
     first = _prompts(6, (37, 22, 45, 30))
     second = [p + t for p, t in zip(first, _prompts(7, (5, 3, 6, 4)))]
     pool = (sum(-(-len(p) // PAGE) for p in first) + len(first) + 1) * PAGE
-    sched = _scheduler(folder, max_total_tokens=pool, max_mamba_cache_size=14, schedule_conservativeness=0)
+    sched = _scheduler(folder, max_total_tokens=pool, max_mamba_cache_size=14, schedule_conservativeness=0,
+                       overlap_schedule=overlap)
     try:
         for tag, prompts in (("a", first), ("b", second)):
             outs = _run(sched, tag, prompts)
@@ -190,6 +192,22 @@ def test_retraction_and_snapshot_eviction(tiny):
     assert stats["retractions"] > 0, stats
     assert stats["tiers"]["device"]["snapshots_evicted"] > 0, stats["tiers"]["device"]
     assert stats["tiers"]["device"]["restored_tokens"] > 0, stats["tiers"]["device"]
+
+
+def test_shared_prompt_published_while_prefilling(tiny):
+    """Three requests with one 70-token prompt at once: two wait while the first computes it in
+    chunks, which publishes its pages with the state at their end and at the last page boundary
+    before the prompt's last token; they resume there (68 tokens) with HF's answers."""
+    hf, folder = tiny
+    shared = _prompts(11, (70,))[0]
+    prompts = [shared, shared, shared + [5, 6]]
+    sched = _scheduler(folder)
+    try:
+        outs = _run(sched, "s", prompts)
+    finally:
+        sched.close()
+    assert [o for o, _ in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert sorted(m["cached_tokens"] for _, m in outs) == [0, 68, 68]
 
 
 def test_config_and_refusals(tiny):
