@@ -91,7 +91,10 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     dtype = next(loaded.model.parameters()).dtype
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     ratio = rc.swa_full_tokens_ratio if windows and not tp.sharded else 0.0  # (TP ranks keep one pool)
-    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio), device)
+    states = StateSpec.of(rc, cfg) if cfg.recurrent_layers else None
+    reserved = states.nbytes(dtype) if states is not None else 0
+    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio, reserved),
+                                  device)
     if num_tokens < cc.page_size:
         raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
     window_tokens = int(num_tokens * ratio) // cc.page_size * cc.page_size
@@ -113,22 +116,38 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
                                  cfg.attn_scale) if cfg.mla is not None else make_attention(
         rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim, cfg.attn_scale,
         cfg.layer_windows, cpu_kernels)
-    states = state_pool(rc, cfg, dtype, device) if cfg.recurrent_layers else None
-    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context, states)
+    state_pool = states.build(dtype, device) if states is not None else None
+    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context, state_pool)
 
 
-def state_pool(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> RecurrentStatePool:
-    """The L1 state pool of a model with recurrent layers: `max_mamba_cache_size` slots (default
-    five per running request: three for each, the rest for the radix tree's snapshots)."""
-    slots = rc.max_mamba_cache_size or 5 * rc.max_running_requests
-    if slots <= 3 * rc.max_running_requests:
-        raise ValueError(f"max_mamba_cache_size ({slots}) must exceed 3 x max_running_requests "
-                         f"({3 * rc.max_running_requests}): every running request holds three state slots")
-    lin = cfg.linear
-    conv, ssm = (lin.conv_dim, lin.conv_kernel - 1), (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
-    pool = RecurrentStatePool(slots, len(cfg.recurrent_layers), conv, ssm, dtype, device)
-    logger.info("L1 recurrent-state pool: %d slots (%.1f MiB)", slots, slots * pool.bytes_per_slot() / 2**20)
-    return pool
+class StateSpec(NamedTuple):
+    """The L1 state pool of a model with recurrent layers: `slots` slots of one convolution state
+    `conv` and one recurrence state `ssm` per recurrent layer (`layers` of them)."""
+
+    slots: int
+    layers: int
+    conv: tuple[int, ...]
+    ssm: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rc: RuntimeConfig, cfg: ModelConfig) -> StateSpec:
+        """`max_mamba_cache_size` slots (default five per running request: three for each, the
+        rest for the radix tree's snapshots)."""
+        slots = rc.max_mamba_cache_size or 5 * rc.max_running_requests
+        if slots <= 3 * rc.max_running_requests:
+            raise ValueError(f"max_mamba_cache_size ({slots}) must exceed 3 x max_running_requests "
+                             f"({3 * rc.max_running_requests}): every running request holds three state slots")
+        lin = cfg.linear
+        return cls(slots, len(cfg.recurrent_layers), (lin.conv_dim, lin.conv_kernel - 1),
+                   (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim))
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.slots * RecurrentStatePool.slot_bytes(self.layers, self.conv, self.ssm, dtype)
+
+    def build(self, dtype: torch.dtype, device: torch.device) -> RecurrentStatePool:
+        pool = RecurrentStatePool(self.slots, self.layers, self.conv, self.ssm, dtype, device)
+        logger.info("L1 recurrent-state pool: %d slots (%.1f MiB)", self.slots, self.nbytes(dtype) / 2**20)
+        return pool
 
 
 def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: RankGroup | None) -> Components:
@@ -162,6 +181,8 @@ def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None
     """The LoRA adapters' registry with those of `lora_paths` loaded (None without enable_lora)."""
     if not rc.lora_on:
         return None
+    if loaded.config.recurrent_layers:
+        raise ValueError("enable_lora: LoRA adapters are not served on recurrent models (Qwen3-Next)")
     param = next(loaded.model.parameters())
     reserved = frozenset({loaded.config.name} | ({rc.model_path} if rc.model_path else set()))
     loras = LoraRegistry(loaded.config, rc.max_lora_rank, param.dtype, param.device, reserved)
@@ -254,11 +275,12 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   page_size: int, kv_heads: int, window_ratio: float = 0.0) -> int:
+                   page_size: int, kv_heads: int, window_ratio: float = 0.0, reserved: int = 0) -> int:
     """L1 size in tokens of `kv_heads` heads (this rank's): `max_total_tokens` when given, else
     `mem_fraction_static` of the device memory minus what is already used (on CPU: of available
     RAM, page cache included, capped at CPU_KV_CAP_BYTES). With `window_ratio`, the windowed
-    layers' pool holds that many slots per token (and the global layers' one each)."""
+    layers' pool holds that many slots per token (and the global layers' one each). `reserved`:
+    bytes of that budget taken by other L1 pools (the recurrent-state pool)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
     windowed = sum(1 for w in cfg.layer_windows if w) if window_ratio else 0
@@ -275,6 +297,7 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
                            "MiB); pass max_total_tokens to insist on a size", available / 2**30, budget / 2**20,
                            CPU_KV_CAP_BYTES / 2**20)
         budget = min(budget, CPU_KV_CAP_BYTES)
+    budget -= reserved
     return int(max(budget, 0) // per_token) // page_size * page_size
 
 

@@ -76,7 +76,8 @@ def test_logits_match_hf_through_chunks_decode_and_a_snapshot(tiny):
     boundary after token 36), a decode step: HF's logits. Then the snapshot alone, restored into
     a fresh slot, continues from token 36 to HF's logits too."""
     hf, folder = tiny
-    model, cfg = load_model(folder).model, load_model(folder).config
+    loaded = load_model(folder)
+    model, cfg = loaded.model, loaded.config
     assert (cfg.recurrent_layers, cfg.kv_layers, cfg.rotary_dim) == ((0, 1, 2), 1, 4)
     ids = _prompts(1, (44,))[0]
     pool = DeviceKVPool(256, 1, cfg.kv_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")

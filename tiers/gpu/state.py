@@ -44,9 +44,6 @@ class RecurrentStatePool:
     def free_slots(self) -> list[int]:
         return list(self._free)
 
-    def bytes_per_slot(self) -> int:
-        return sum(b[0].numel() * b.element_size() for b in self.conv + self.ssm)
-
     @staticmethod
     def slot_bytes(num_layers: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
                    dtype: torch.dtype) -> int:
