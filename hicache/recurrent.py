@@ -17,7 +17,8 @@ is usable only where the tree also holds the state after it: a snapshot. The sta
   its L2 part loaded back, on L2 (the snapshot itself stays on L1); on admission the working
   state starts as that snapshot, or as zeros with no prefix.
 - Snapshots are a cache: one whose node has left the tree goes (`sweep`), and when the pool is
-  short the least recently matched go first (`_alloc`). The pool holds more than three slots per
+  short those a deeper snapshot likely supersedes go first (inner nodes', running requests'
+  prefixes'), then the least recently matched (`_alloc`). The pool holds more than three slots per
   table row, so leases never wait for snapshots.
 
 Only the scheduler thread calls it.
@@ -147,12 +148,15 @@ class RecurrentPolicy:
     # ---- the pool -------------------------------------------------------------------------
 
     def _alloc(self, keep: TreeNode | None = None) -> int | None:
-        """A free slot, evicting the least recently matched snapshot (but `keep`'s) when none is."""
+        """A free slot, evicting a snapshot (but `keep`'s) when none is: first those a deeper one is
+        likely to supersede, of inner nodes (a path through them goes on: a conversation's next
+        turn resumes from the deeper snapshot) and of locked ones (a running request resumed from
+        it and will leave a deeper one), then the least recently matched."""
         slot = self.state_pool.alloc()
         if slot is None:
             self.sweep()
             victims = sorted((n for n in self._snapshots if n is not keep),
-                             key=lambda n: (n.lock_ref > 0, n.last_access))
+                             key=lambda n: (not n.children and not n.lock_ref, n.last_access))
             if victims:
                 self.state_pool.free(self._snapshots.pop(victims[0]))
                 self.counters["snapshots_evicted"] += 1
