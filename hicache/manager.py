@@ -267,12 +267,9 @@ class CacheManager:
 
     def advance(self, lease: Lease, computed: int) -> None:
         """The lease's request has computed `computed` tokens: under a sliding window, what it
-        will not read again may go (`WindowPolicy.trim`); with recurrent layers, its boundary state
-        moves on (`RecurrentPolicy.advance`)."""
+        will not read again may go (`WindowPolicy.trim`)."""
         if self.windows is not None:
             self.windows.trim(lease, computed)
-        if self.states is not None:
-            self.states.advance(lease, computed)
 
     def _need(self, lease: Lease, upto: int) -> int:
         """Slots the lease lacks to cover `upto` tokens in whole pages (<= 0: none)."""

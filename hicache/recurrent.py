@@ -32,9 +32,12 @@ from hicache.tree import MatchResult, RadixTree, TreeNode
 class StateSlots:
     """A leased request's slots of the state pool: `working`, the state after the tokens it has
     computed (the runner continues it chunk after chunk), and two snapshots the runner takes as
-    its chunks reach their positions (`targets`): `last`, the state at the last page boundary it
-    computed (`last_at` tokens), and `resume`, the state at `resume_at` tokens, the deepest page
-    boundary a request with the same tokens would resume from (0: none to take)."""
+    its chunks reach their positions (`targets`): `last`, the state at the last page boundary a
+    pass was launched to reach (`last_at` tokens), and `resume`, the state at `resume_at` tokens,
+    the deepest page boundary a request with the same tokens would resume from (0: none to take).
+    A pass whose results are dropped (a retraction, an overlapped step past a request's finish)
+    leaves them holding states past the KV the request gives the tree: those are never kept
+    (`RecurrentPolicy.ends`)."""
 
     __slots__ = ("working", "last", "resume", "last_at", "resume_at")
 
@@ -46,11 +49,14 @@ class StateSlots:
         return self.working, self.last, self.resume
 
     def targets(self, start: int, n: int, page_size: int) -> list[tuple[int, int]]:
-        """(j, slot) for each snapshot a chunk computing tokens [start, start + n) takes: the state
-        after its token j goes to that slot."""
+        """(j, slot) for each snapshot a pass computing tokens [start, start + n) takes: the state
+        after its token j goes to that slot. The runner calls it once per pass, as it launches it
+        (passes are launched in order)."""
         end = start + n
         boundary = end // page_size * page_size
         out = [(boundary - start - 1, self.last)] if boundary > start else []
+        if boundary > start:
+            self.last_at = boundary
         if start < self.resume_at <= end:
             out.append((self.resume_at - start - 1, self.resume))
         return out
@@ -114,14 +120,9 @@ class RecurrentPolicy:
         self.state_pool.copy(self._snapshots[lease._node], st.working)
         self.counters["restored_tokens"] += prefix
 
-    def advance(self, lease, computed: int) -> None:
-        """The lease's request has computed `computed` tokens: its last boundary state is the state
-        at the last page boundary (the runner took it as the chunk reached it)."""
-        st = lease.states
-        st.last_at = max(st.last_at, computed // self.page_size * self.page_size)
-
     def ends(self, lease, upto: int) -> list[int]:
-        """The token counts up to `upto`, past the lease's prefix, after which it holds a state."""
+        """The token counts up to `upto` (the KV the lease gives the tree), past its prefix, after
+        which it holds a state."""
         st = lease.states
         taken = [st.last_at] + ([st.resume_at] if st.resume_at and st.last_at >= st.resume_at else [])
         return sorted({end for end in taken if lease.prefix_len < end <= upto})

@@ -124,10 +124,10 @@ def _scheduler(folder: Path, hicache_ratio: float = 2.0, **options):
                                              hicache_load_decision="always"))
 
 
-def _run(sched, tag: str, prompts: list[list[int]]) -> list[tuple[list[int], dict]]:
+def _run(sched, tag: str, prompts: list[list[int]], **sampling) -> list[tuple[list[int], dict]]:
     """Greedy outputs and meta of `prompts` submitted together; the cache's integrity checked
     after every step."""
-    params = SamplingParams.from_dict(greedy(NEW_TOKENS), vocab_size=VOCAB)
+    params = SamplingParams.from_dict({**greedy(NEW_TOKENS), **sampling}, vocab_size=VOCAB)
     for i, p in enumerate(prompts):
         sched.add_request(GenerateRequest(f"{tag}{i}", p, params))
     out: dict[str, list] = {}
@@ -193,6 +193,28 @@ def test_retraction_and_snapshot_eviction(tiny, overlap):
     assert stats["retractions"] > 0, stats
     assert stats["tiers"]["device"]["snapshots_evicted"] > 0, stats["tiers"]["device"]
     assert stats["tiers"]["device"]["restored_tokens"] > 0, stats["tiers"]["device"]
+
+
+def test_overlapped_step_past_a_stop_leaves_no_wrong_snapshot(tiny):
+    """Under overlap scheduling a request that stops at step t has its next position computed by
+    the continuation, which here reaches a page boundary and overwrites the state slot of its last
+    boundary: that state is past the KV the request caches, so no node keeps it, and the next turn
+    resumes from an earlier snapshot with HF's answer."""
+    hf, folder = tiny
+    prompt = _prompts(12, (41,))[0]
+    full = hf_greedy(hf, prompt, NEW_TOKENS)
+    k = 2  # the continuation computes output k, position 43: the page boundary at 44 is reached
+    assert (len(prompt) + k + 1) % PAGE == 0 and full[k] not in full[:k]
+    sched = _scheduler(folder, overlap_schedule=True)
+    try:
+        (out, _), = _run(sched, "o", [prompt], ignore_eos=False, stop_token_ids=[full[k]])
+        assert out == full[:k + 1]
+        turn2 = prompt + out + _prompts(13, (7,))[0]
+        (out2, meta), = _run(sched, "p", [turn2])
+    finally:
+        sched.close()
+    assert out2 == hf_greedy(hf, turn2, NEW_TOKENS)
+    assert meta["cached_tokens"] == (len(prompt) - 1) // PAGE * PAGE == 40  # the prompt's snapshot (its resume point)
 
 
 def test_shared_prompt_published_while_prefilling(tiny):
