@@ -96,7 +96,9 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio, reserved),
                                   device)
     if num_tokens < cc.page_size:
-        raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
+        state = (f" beside the recurrent-state pool ({states.slots} slots, {reserved / 2**20:.0f} MiB: lower "
+                 "max_mamba_cache_size or max_running_requests)") if states is not None else ""
+        raise ValueError(f"the KV pool holds {num_tokens} tokens{state}, less than one page ({cc.page_size})")
     window_tokens = int(num_tokens * ratio) // cc.page_size * cc.page_size
     # with an L2 a running request keeps every window part it computed: its context fits the windowed pool
     held = window_tokens if window_tokens and cc.hierarchical else num_tokens
