@@ -7,8 +7,9 @@ the rest), and to poll finished transfers. What a request holds is a `Lease` (it
 record included); in-flight load-backs hide behind a `LoadHandle` that the batch plan carries to
 the runner. Its parts, siblings named by tier: the device tree (`RadixTree` over the L1
 allocator, and the request-to-token table), the host transfers (`CacheController`: L1 <-> L2
-moves and the write policy), the storage (`StorageController`: L3, when on), and the sliding-window
-policy (`WindowPolicy`, only for a model with windowed layers). `CacheManager.build` wires them.
+moves and the write policy), the storage (`StorageController`: L3, when on), the sliding-window
+policy (`WindowPolicy`, only for a model with windowed layers) and the recurrent-state policy
+(`RecurrentPolicy`, only for a model with recurrent layers). `CacheManager.build` wires them.
 
 Only the scheduler thread calls it.
 """
@@ -28,6 +29,7 @@ from hicache.ngram import NONE as NO_PROPOSAL, NgramIndex, Proposal
 from hicache.pagekey import PageKeys
 from hicache.config import StorageOptions
 from hicache.prefetch import PrefetchOp, StorageRange
+from hicache.recurrent import RecurrentPolicy, StateSlots
 from hicache.storage import StorageController
 from hicache.tiers.base import HostPool, RequestTable, StorageEngine, TransferEngine
 from hicache.tree import MatchResult, RadixTree
@@ -40,9 +42,11 @@ class Lease:
     """What one request holds of L1. Slots [0, prefix_len) belong to the radix tree (locked through
     the lease); slots [prefix_len, len(slots)) belong to the request. `row` is its row of the
     request-to-token table while it holds KV. `namespace` keys its prefix in the tree (cache salt);
-    `owner` is the caller's (the request). `prefetch`: its L3 prefetch while it waits (None: none)."""
+    `owner` is the caller's (the request). `prefetch`: its L3 prefetch while it waits (None: none).
+    `states`: its slots of the recurrent-state pool while held, for a model with recurrent layers
+    (`hicache/recurrent.py: StateSlots`; None otherwise)."""
 
-    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "prefetch", "_node", "_loads")
+    __slots__ = ("namespace", "owner", "row", "slots", "prefix_len", "prefetch", "_node", "_loads", "states")
 
     def __init__(self, namespace: str = "", owner: object = None):
         self.namespace, self.owner = namespace, owner
@@ -52,6 +56,7 @@ class Lease:
         self.prefetch: PrefetchOp | None = None
         self._node = None  # the tree node its lock sits on
         self._loads: frozenset[int] = frozenset()  # load-backs its prefix still waits for
+        self.states: StateSlots | None = None
 
     @property
     def held(self) -> bool:
@@ -110,14 +115,17 @@ class LoadHandle:
 class CacheManager:
     def __init__(self, tree: RadixTree, host: CacheController, req_table: RequestTable, decider: LoadDecider,
                  storage: StorageController | None = None, windows: WindowPolicy | None = None,
-                 transfer: TransferEngine | None = None, ngrams: NgramIndex | None = None):
+                 transfer: TransferEngine | None = None, ngrams: NgramIndex | None = None,
+                 states: RecurrentPolicy | None = None):
         """`host`: the L1 <-> L2 transfers over `tree`; `decider`: the load-or-recompute rates the
         host transfers and L3 share; `storage`: L3 (None: off); `windows`: the sliding-window
         policy (None: the model has no windowed layers); `transfer`: the engine of the host
         transfers' copies, whose order against the compute the caller sets (None: no host tier);
         `ngrams`: the n-gram index over the tree's tokens that drafts come from (None: none),
-        told of the tree's changes here."""
+        told of the tree's changes here; `states`: the recurrent-state policy (None: the model has
+        no recurrent layers)."""
         self.tree, self.host, self.req_table, self.storage, self.windows = tree, host, req_table, storage, windows
+        self.states = states
         self.ngrams = ngrams
         if ngrams is not None:
             tree.observe(ngrams)
@@ -134,7 +142,7 @@ class CacheManager:
               transfer: TransferEngine | None = None, *, write_policy: str = "write_through",
               load_back_min_tokens: int = LOAD_BACK_MIN_TOKENS, load_decision: str = "measured",
               windows: WindowPolicy | None = None, storage: StorageSetup | None = None,
-              ngrams: NgramIndex | None = None) -> CacheManager:
+              ngrams: NgramIndex | None = None, states: RecurrentPolicy | None = None) -> CacheManager:
         """The parts over `tree` wired to each other: the host transfers (with `host_pool` and
         `transfer`, or neither), and with `storage` the L3 controller, whose backup queue the host
         transfers feed as L1 -> L2 copies land and which takes L2 room from them."""
@@ -147,29 +155,35 @@ class CacheManager:
         l3 = None if storage is None else StorageController(
             tree, storage.engine, keys, backups, storage.options, host.alloc_host, storage.backend,
             host_pool.bytes_per_token(), decider)
-        return cls(tree, host, req_table, decider, l3, windows, transfer, ngrams)
+        return cls(tree, host, req_table, decider, l3, windows, transfer, ngrams, states)
 
     # ---- admission -------------------------------------------------------------------------
 
     def match(self, token_ids: list[int], namespace: str) -> Match:
         """The cached prefix of `token_ids`, as a request may resume after it (fitted to the
-        sliding window, where the model has one)."""
+        sliding window, where the model has one; cut back to a recurrent-state snapshot, where
+        it has recurrent layers)."""
         m = self.tree.match(token_ids, namespace)
         if self.windows is not None:
             m = self.windows.fit(m)
+        if self.states is not None:
+            m = self.states.fit(m)
         return Match(m.device_slots.numel(), m.host_hit_tokens, m)
 
-    def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True) -> Admission | None:
+    def admit(self, lease: Lease, match: Match, load_room: int, load: bool = True,
+              resume_limit: int = 0) -> Admission | None:
         """Locks `match`'s L1 part for `lease`, takes a table row and, with `load`, brings the L2
         part back into fresh L1 pages (all or nothing) keeping `load_room` more tokens free for
         the first chunk after it. None when memory is short (no row, or no L1 room for the L2
         part yet): the lease then holds nothing and the request waits. A short L2 part, or a
-        copy that failed at once, is not loaded: the request recomputes it."""
+        copy that failed at once, is not loaded: the request recomputes it. `resume_limit`: the
+        most tokens a match of the request's tokens may cover (with recurrent layers, the state
+        there is kept as well as at its end: `RecurrentPolicy.start`)."""
         m = match.result
         self.tree.lock(m.last_node)
         lease._node, lease.slots = m.last_node, m.device_slots
         lease.row = self.req_table.alloc()
-        if lease.row is None:
+        if lease.row is None or (self.states is not None and not self.states.take(lease, m.last_host_node)):
             self.drop(lease)
             return None
         loaded, ready = 0, not (m.host_hit_tokens or m.repair)
@@ -183,7 +197,11 @@ class CacheManager:
                 loaded, ready = back.device_slots.numel(), True
         if not ready and self.windows is not None:  # its L1 part alone: where the window before its end is held
             self._resume_on_l1(lease, self.windows.device_prefix(m))
+        if not ready and self.states is not None:  # its L1 part alone: up to its last snapshot
+            self._resume_on_l1(lease, self.states.on_device(m))
         lease.prefix_len = lease.slots.numel()
+        if self.states is not None:
+            self.states.start(lease, resume_limit)
         self.req_table.write(lease.row, 0, lease.slots)
         lease._loads = self.host.pending_loads(lease._node)
         return Admission(lease.prefix_len, loaded)
@@ -268,6 +286,8 @@ class CacheManager:
         present = self.host.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, prompt_tokens) if kv else 0
         if kv and self.windows is not None:
             self.windows.tombstone(token_ids[:kv], lease.namespace, max(present, lease.prefix_len), taken_end)
+        if self.states is not None and taken_end and not self.disabled:
+            self._snapshot(lease, token_ids, taken_end)
         taken_end = present if self.disabled else taken_end
         self.allocator.free(lease.slots[lease.prefix_len:max(present, lease.prefix_len)])
         self.allocator.free(lease.slots[max(taken_end, lease.prefix_len):])
@@ -284,6 +304,8 @@ class CacheManager:
         present = self.host.insert(token_ids[:kv], lease.slots[:kv], lease.namespace, kv)
         nodes = self.tree.path(token_ids[:kv], lease.namespace)
         cached = torch.cat([node.device_slots for node in nodes])
+        if self.states is not None:
+            self._snapshot(lease, token_ids, kv)
         self.tree.lock(nodes[-1])
         self.tree.unlock(lease._node)
         if present > lease.prefix_len:  # pages the tree held already: the request reads the tree's
@@ -292,8 +314,16 @@ class CacheManager:
         lease._node, lease.prefix_len = nodes[-1], kv
         lease.slots = torch.cat([cached, lease.slots[kv:]])
 
+    def _snapshot(self, lease: Lease, token_ids: list[int], upto: int) -> None:
+        """The tree holds the lease's tokens up to `upto`: the nodes that end where the lease holds
+        a recurrent state keep it (`RecurrentPolicy.ends`)."""
+        for end in self.states.ends(lease, upto):
+            nodes = self.tree.path(token_ids[:end], lease.namespace)
+            if nodes and sum(len(node.key) for node in nodes) == end:
+                self.states.keep(lease, nodes[-1], end)
+
     def drop(self, lease: Lease) -> None:
-        """Unlocks the lease and frees its row; its own slots must have been freed."""
+        """Unlocks the lease and frees its row and state slots; its own KV slots must have been freed."""
         if lease._node is not None:
             self.tree.unlock(lease._node)
         if lease.row is not None:
@@ -301,6 +331,8 @@ class CacheManager:
         lease.row, lease._node, lease.slots, lease.prefix_len, lease._loads = None, None, _EMPTY, 0, frozenset()
         if self.windows is not None:
             self.windows.forget(lease)
+        if self.states is not None:
+            self.states.drop(lease)
 
     # ---- transfers -------------------------------------------------------------------------
 
@@ -398,6 +430,8 @@ class CacheManager:
         self.host.reset()
         if self.windows is not None:
             self.windows.reset()
+        if self.states is not None:
+            self.states.reset()
         return True
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
@@ -421,6 +455,8 @@ class CacheManager:
                   "bytes_per_token": bytes_per_token}
         if self.windows is not None:
             device.update(self.windows.device_stats())
+        if self.states is not None:
+            device.update(self.states.stats())
         empty = {"used_tokens": 0, "capacity_tokens": 0, "hit_tokens": 0, "evicted_tokens": 0, "enabled": False}
         host = dict(self.host.host_stats(), hit_tokens=hits["host"]) if self.host.enabled else dict(empty)
         storage = dict(self.storage.stats(), hit_tokens=hits["storage"]) if self.storage is not None else dict(empty)
@@ -439,4 +475,6 @@ class CacheManager:
             self.host.check_integrity(held, locks, hold.pins, hold.host_slots, hold.seed)
         if self.windows is not None:
             self.windows.check_integrity(held)
+        if self.states is not None:
+            self.states.check_integrity(leases)
         assert self.req_table.num_free() + len(leases) == rows, "table rows leaked"

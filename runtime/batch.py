@@ -62,6 +62,33 @@ class BatchPlan:
         return sum(s + n for s, n in zip(self.starts, self.extend_lens))
 
 
+class RecurrentBatch(NamedTuple):
+    """The recurrent layers' part of a pass (a model with recurrent layers only): each request's
+    working slot of the state pool (`tiers/gpu/state.py`), and the snapshots to take, as
+    (request i, offset j in its chunk, slot): the state after the chunk's token j is copied into
+    that slot (the state at a page boundary the chunk reaches)."""
+
+    pool: Any  # a RecurrentStatePool
+    slots: list[int]  # per request
+    slots_dev: torch.Tensor  # [N] int64, device: the same
+    snapshots: list[tuple[int, int, int]]
+
+    @classmethod
+    def build(cls, pool: Any, slots: list[int], targets: list[list[tuple[int, int]]],
+              device: torch.device) -> RecurrentBatch:
+        """`targets[i]`: request i's snapshots, (offset j in its chunk, slot)."""
+        snapshots = [(i, j, dst) for i, pairs in enumerate(targets) for j, dst in pairs]
+        return cls(pool, slots, torch.tensor(slots, dtype=torch.int64, device=device), snapshots)
+
+    def snapshots_of(self, i: int) -> dict[int, list[int]]:
+        """Request i's snapshots: offset in its chunk -> the slots that get the state after it."""
+        out: dict[int, list[int]] = {}
+        for r, j, dst in self.snapshots:
+            if r == i:
+                out.setdefault(j, []).append(dst)
+        return out
+
+
 @dataclass
 class ForwardBatch:
     """Tensors for one forward pass, read by the model and the attention backend."""
@@ -87,6 +114,7 @@ class ForwardBatch:
     wait_kv: Callable[[int | None], None] | None = None  # BatchPlan.loads.wait_layer, before each attention
     window: ForwardBatch | None = None  # with a windowed pool: this batch over the windowed layers' slots
     lora: Any = None  # a LoraBatch (runtime/lora/batch.py) when some request runs under a LoRA adapter
+    states: RecurrentBatch | None = None  # with recurrent layers: the requests' state slots
 
     def wait_layer(self, layer_id: int) -> None:
         if self.wait_kv is not None:

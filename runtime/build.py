@@ -19,10 +19,12 @@ from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.runner import ModelRunner
 from hicache.runtime.scheduler import Scheduler
 from hicache.runtime.tp import RankGroup, rank_device
+from hicache.recurrent import RecurrentPolicy
 from hicache.runtime.tp_fanout import JournaledReqTable, StorageFanout, TPModelRunner, TransferFanout
 from hicache.runtime.weights import LoadedModel, load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
+from hicache.tiers.gpu.state import RecurrentStatePool
 from hicache.tiers.host.pool import HostKVPool, available_ram, host_pool_tokens
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote import make_backend
@@ -63,6 +65,7 @@ class RankParts(NamedTuple):
     attn: AttentionBackend
     device: torch.device
     context: int
+    states: RecurrentStatePool | None = None  # the recurrent layers' states, for a model with such layers
 
 
 def build(rc: RuntimeConfig, cc: HiCacheConfig) -> Components:
@@ -88,14 +91,19 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     dtype = next(loaded.model.parameters()).dtype
     windows = {i: w for i, w in enumerate(cfg.layer_windows) if w}
     ratio = rc.swa_full_tokens_ratio if windows and not tp.sharded else 0.0  # (TP ranks keep one pool)
-    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio), device)
+    states = StateSpec.of(rc, cfg) if cfg.recurrent_layers else None
+    reserved = states.nbytes(dtype) if states is not None else 0
+    num_tokens = least_over_ranks(tp, kv_pool_tokens(rc, cfg, dtype, device, cc.page_size, heads, ratio, reserved),
+                                  device)
     if num_tokens < cc.page_size:
-        raise ValueError(f"the KV pool holds {num_tokens} tokens, less than one page ({cc.page_size})")
+        state = (f" beside the recurrent-state pool ({states.slots} slots, {reserved / 2**20:.0f} MiB: lower "
+                 "max_mamba_cache_size or max_running_requests)") if states is not None else ""
+        raise ValueError(f"the KV pool holds {num_tokens} tokens{state}, less than one page ({cc.page_size})")
     window_tokens = int(num_tokens * ratio) // cc.page_size * cc.page_size
     # with an L2 a running request keeps every window part it computed: its context fits the windowed pool
     held = window_tokens if window_tokens and cc.hierarchical else num_tokens
     context = served_context(rc.context_length or cfg.max_position_embeddings, min(num_tokens, held))
-    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.num_layers, heads, cfg.cache_head_dim, dtype, device,
+    pool = DeviceKVPool(num_tokens, cc.page_size, cfg.kv_layers, heads, cfg.cache_head_dim, dtype, device,
                         frozenset(windows), max(windows.values(), default=0), window_tokens)
     pages_per_req = -(-context // cc.page_size)
     req_table = table_class(rc.max_running_requests, pages_per_req * cc.page_size, device)
@@ -110,7 +118,38 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
                                  cfg.attn_scale) if cfg.mla is not None else make_attention(
         rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim, cfg.attn_scale,
         cfg.layer_windows, cpu_kernels)
-    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context)
+    state_pool = states.build(dtype, device) if states is not None else None
+    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context, state_pool)
+
+
+class StateSpec(NamedTuple):
+    """The L1 state pool of a model with recurrent layers: `slots` slots of one convolution state
+    `conv` and one recurrence state `ssm` per recurrent layer (`layers` of them)."""
+
+    slots: int
+    layers: int
+    conv: tuple[int, ...]
+    ssm: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rc: RuntimeConfig, cfg: ModelConfig) -> StateSpec:
+        """`max_mamba_cache_size` slots (default five per running request: three for each, the
+        rest for the radix tree's snapshots)."""
+        slots = rc.max_mamba_cache_size or 5 * rc.max_running_requests
+        if slots <= 3 * rc.max_running_requests:
+            raise ValueError(f"max_mamba_cache_size ({slots}) must exceed 3 x max_running_requests "
+                             f"({3 * rc.max_running_requests}): every running request holds three state slots")
+        lin = cfg.linear
+        return cls(slots, len(cfg.recurrent_layers), (lin.conv_dim, lin.conv_kernel - 1),
+                   (lin.num_value_heads, lin.key_head_dim, lin.value_head_dim))
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        return self.slots * RecurrentStatePool.slot_bytes(self.layers, self.conv, self.ssm, dtype)
+
+    def build(self, dtype: torch.dtype, device: torch.device) -> RecurrentStatePool:
+        pool = RecurrentStatePool(self.slots, self.layers, self.conv, self.ssm, dtype, device)
+        logger.info("L1 recurrent-state pool: %d slots (%.1f MiB)", self.slots, self.nbytes(dtype) / 2**20)
+        return pool
 
 
 def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: RankGroup | None) -> Components:
@@ -125,11 +164,14 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     policy = WindowPolicy(tree, max(windows), host=host_pool is not None and not cc.disable_radix_cache) \
         if windows else None
     storage = storage_setup(cc, rc, loaded, host_pool, ranks) if storage_on(cc, host_pool) else None
+    states = RecurrentPolicy(tree, parts.states) if parts.states is not None else None
     cache = CacheManager.build(tree, parts.req_table, host_pool, transfer, write_policy=cc.hicache_write_policy,
                                load_decision=cc.hicache_load_decision, windows=policy, storage=storage,
-                               ngrams=ngram_index(rc, bool(windows)))
+                               ngrams=ngram_index(rc, bool(windows), states is not None), states=states)
     args = (loaded.model, pool, parts.req_table, parts.attn, parts.device)
     options = {"cuda_graph": not rc.disable_cuda_graph, "max_batch": rc.max_running_requests}
+    if parts.states is not None:
+        options["states"] = parts.states
     runner = ModelRunner(*args, **options) if ranks is None else TPModelRunner(ranks, *args, **options)
     nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
     logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
@@ -141,6 +183,8 @@ def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None
     """The LoRA adapters' registry with those of `lora_paths` loaded (None without enable_lora)."""
     if not rc.lora_on:
         return None
+    if loaded.config.recurrent_layers:
+        raise ValueError("enable_lora: LoRA adapters are not served on recurrent models (Qwen3-Next)")
     param = next(loaded.model.parameters())
     reserved = frozenset({loaded.config.name} | ({rc.model_path} if rc.model_path else set()))
     loras = LoraRegistry(loaded.config, rc.max_lora_rank, param.dtype, param.device, reserved)
@@ -150,13 +194,15 @@ def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None
     return loras
 
 
-def ngram_index(rc: RuntimeConfig, windowed: bool) -> NgramIndex | None:
+def ngram_index(rc: RuntimeConfig, windowed: bool, recurrent: bool = False) -> NgramIndex | None:
     """The index over the tree's tokens that NGRAM drafts come from (None: no speculative
     decoding, or drafts from each request's own tokens only)."""
     if rc.speculative_algorithm is None:
         return None
     if windowed:
         raise ValueError("speculative_algorithm: not supported with sliding-window models yet")
+    if recurrent:  # a rejected draft would have to be taken out of the recurrent state
+        raise ValueError("speculative_algorithm: not supported with recurrent models (Qwen3-Next) yet")
     if rc.speculative_ngram_capacity == 0:
         return None
     return NgramIndex(rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size,
@@ -182,7 +228,7 @@ def build_host_pool(cc: HiCacheConfig, pool: DeviceKVPool, cfg: ModelConfig, dty
     """L2: `hicache_size` GB (ValueError if the host lacks the RAM), or `hicache_ratio` x the L1
     tokens (sized down to the RAM there is, with a warning), of pages of `kv_heads` heads (this rank's)."""
     tokens = host_pool_tokens(pool.num_slots, pool.bytes_per_token(), cc.page_size, cc.hicache_ratio, cc.hicache_size)
-    host = HostKVPool(tokens, cc.page_size, cfg.num_layers, kv_heads, cfg.cache_head_dim, dtype,
+    host = HostKVPool(tokens, cc.page_size, cfg.kv_layers, kv_heads, cfg.cache_head_dim, dtype,
                       cc.hicache_mem_layout, shared=cc.storage_process)
     logger.info("L2 host KV pool: %d tokens (%.1f MiB, %s, %s, write policy %s)", host.num_slots,
                 host.num_slots * host.bytes_per_token() / 2**20, cc.hicache_mem_layout,
@@ -231,15 +277,16 @@ def model_fingerprint(rc: RuntimeConfig, loaded: LoadedModel) -> str:
 
 
 def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   page_size: int, kv_heads: int, window_ratio: float = 0.0) -> int:
+                   page_size: int, kv_heads: int, window_ratio: float = 0.0, reserved: int = 0) -> int:
     """L1 size in tokens of `kv_heads` heads (this rank's): `max_total_tokens` when given, else
     `mem_fraction_static` of the device memory minus what is already used (on CPU: of available
     RAM, page cache included, capped at CPU_KV_CAP_BYTES). With `window_ratio`, the windowed
-    layers' pool holds that many slots per token (and the global layers' one each)."""
+    layers' pool holds that many slots per token (and the global layers' one each). `reserved`:
+    bytes of that budget taken by other L1 pools (the recurrent-state pool)."""
     if rc.max_total_tokens is not None:
         return rc.max_total_tokens // page_size * page_size
     windowed = sum(1 for w in cfg.layer_windows if w) if window_ratio else 0
-    layers = cfg.num_layers - windowed + window_ratio * windowed
+    layers = cfg.kv_layers - windowed + window_ratio * windowed
     per_token = DeviceKVPool.token_bytes(1, kv_heads, cfg.cache_head_dim, dtype) * layers
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -252,6 +299,7 @@ def kv_pool_tokens(rc: RuntimeConfig, cfg: ModelConfig, dtype: torch.dtype, devi
                            "MiB); pass max_total_tokens to insist on a size", available / 2**30, budget / 2**20,
                            CPU_KV_CAP_BYTES / 2**20)
         budget = min(budget, CPU_KV_CAP_BYTES)
+    budget -= reserved
     return int(max(budget, 0) // per_token) // page_size * page_size
 
 

@@ -1,6 +1,8 @@
 """`ModelConfig`: the architecture of a decoder we run: the Llama family (Llama, Mistral, Qwen2/2.5,
-Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral), Gemma 3 text and DeepSeek-V2
-(multi-head latent attention, `MLAConfig`), read from an HF config.json dict.
+Qwen3, and the mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral), Gemma 3 text, DeepSeek-V2
+(multi-head latent attention, `MLAConfig`) and Qwen3-Next (gated DeltaNet layers holding a
+recurrent state, `LinearAttentionConfig`, between gated attention layers), read from an HF
+config.json dict.
 
 Only what our model needs, normalised across transformers 4.x (`rope_scaling`, `rope_theta`) and
 5.x (`rope_parameters`) spellings. What sets the families apart is a few options: biases on the
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"  # HF's layer_types
 _GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072,
                     "head_dim": 256}
 
@@ -40,6 +42,7 @@ FAMILIES = {
     "Gemma3ForCausalLM": Family("gemma3_text", False, True, False),  # and its own blocks: models/gemma3.py
     "DeepseekV2ForCausalLM": Family("deepseek_v2", False, False, True),  # MLA and its MoE: models/deepseek.py
     "DeepseekV3ForCausalLM": Family("deepseek_v3", False, False, True),  # V2's, with V3's routing
+    "Qwen3NextForCausalLM": Family("qwen3_next", False, True, True),  # recurrent layers: models/qwen3_next.py
 }
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -108,6 +111,39 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Qwen3-Next's gated DeltaNet layers: per token, q and k of `num_key_heads` heads of
+    `key_head_dim`, v of `num_value_heads` heads of `value_head_dim` (each key head serves
+    num_value_heads / num_key_heads value heads), through a causal depthwise convolution of
+    `conv_kernel` taps. A request's state per layer is constant-size: the convolution's last
+    conv_kernel - 1 inputs [conv_dim, conv_kernel - 1] and the delta rule's matrix per value head
+    [num_value_heads, key_head_dim, value_head_dim]."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_key_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v of a token."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -135,6 +171,8 @@ class ModelConfig:
     qk_norm: bool = False
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # then head_dim is the RoPE part of a head (qk_rope_head_dim)
+    linear: LinearAttentionConfig | None = None  # Qwen3-Next: the LINEAR layers of layer_types
+    rotary_dim: int | None = None  # RoPE rotates the first rotary_dim of a head's dims (None: all)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -153,7 +191,7 @@ class ModelConfig:
         d = asdict(self)
         d.pop("bos_token_id")
         d.pop("eos_token_ids")
-        for option in ("qkv_bias", "qk_norm", "moe", "mla"):
+        for option in ("qkv_bias", "qk_norm", "moe", "mla", "linear", "rotary_dim"):
             if not d[option]:
                 d.pop(option)
         if "moe" in d:
@@ -168,6 +206,16 @@ class ModelConfig:
             return (None,) * self.num_layers
         types = self.layer_types or (SLIDING,) * self.num_layers
         return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that hold a recurrent state instead of KV (Qwen3-Next's LINEAR layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR) if self.linear is not None else ()
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with KV in the cache (the pools' layers): all but the recurrent ones."""
+        return self.num_layers - len(self.recurrent_layers)
 
     @property
     def attn_scale(self) -> float:
@@ -212,6 +260,8 @@ class ModelConfig:
         extra = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else _window_fields(d)
         if arch in _DEEPSEEK:
             extra = _deepseek_fields(d)
+        if arch == "Qwen3NextForCausalLM":
+            extra = _qwen3_next_fields(d)
         num_heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
@@ -235,7 +285,7 @@ class ModelConfig:
             name=name if name is not None else str(d.get("_name_or_path", "") or ""),
             qkv_bias=family.qkv_bias and bool(d.get("qkv_bias", True)),
             qk_norm=family.qk_norm,
-            moe=(_deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d)) if family.moe else None,
+            moe=None if not _sparse(d, family) else _deepseek_moe(d, arch) if arch in _DEEPSEEK else _moe(d),
             **extra,
         )
 
@@ -251,7 +301,8 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """An HF LlamaConfig-compatible dict (transformers 4.x spelling, which 5.x also reads)."""
-        if self.architecture in ("Gemma3ForCausalLM", *_DEEPSEEK) or self.sliding_window is not None:
+        special = ("Gemma3ForCausalLM", "Qwen3NextForCausalLM", *_DEEPSEEK)
+        if self.architecture in special or self.sliding_window is not None:
             raise ValueError(f"no HF config spelling for {self.architecture} with window {self.sliding_window}")
         d = {
             "architectures": [self.architecture],
@@ -308,6 +359,8 @@ def _check_supported(d: dict, arch: str, family: Family) -> None:
         _check_deepseek_v2(d)
     elif arch == "DeepseekV3ForCausalLM":
         _check_deepseek_v3(d)
+    elif arch == "Qwen3NextForCausalLM" and _declared_rope_type(d) != "default":
+        raise ValueError(f"Qwen3-Next with rope type {_declared_rope_type(d)!r} is not supported (only default)")
     elif _declared_rope_type(d) == "yarn":
         raise ValueError(f"rope type 'yarn' is supported for DeepSeek-V2/V3 only, not {arch}")
 
@@ -378,6 +431,12 @@ def _gemma3_global_rope(d: dict) -> dict:
     return {**d, "rope_parameters": params[FULL], "rope_theta": params[FULL].get("rope_theta")}
 
 
+def _sparse(d: dict, family: Family) -> bool:
+    """Whether the model has routed experts (a Qwen3-Next config may have none)."""
+    n = d.get("num_experts")
+    return family.moe and (n is None or int(n) > 0)
+
+
 def _moe(d: dict) -> MoEConfig:
     """Qwen-MoE spelling (num_experts, moe_intermediate_size, ...) or Mixtral's (num_local_experts,
     intermediate_size, always renormalised)."""
@@ -401,6 +460,26 @@ def _deepseek_fields(d: dict) -> dict:
     mla = MLAConfig(None if q_rank is None else int(q_rank), int(d["kv_lora_rank"]), int(d["qk_nope_head_dim"]),
                     int(d["qk_rope_head_dim"]), int(d["v_head_dim"]))
     return {"mla": mla, "head_dim": mla.qk_rope_head_dim}
+
+
+def _qwen3_next_fields(d: dict) -> dict:
+    """Qwen3-Next's layer types (a full attention layer every `full_attention_interval` by
+    default), its gated DeltaNet and the partial RoPE of its attention heads."""
+    n = int(d["num_hidden_layers"])
+    interval = int(d.get("full_attention_interval") or 4)
+    types = tuple(d.get("layer_types") or (FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)))
+    if len(types) != n or set(types) - {LINEAR, FULL}:
+        raise ValueError(f"layer_types must name {LINEAR} or {FULL} for each of the {n} layers, got {list(types)}")
+    linear = LinearAttentionConfig(int(d["linear_num_key_heads"]), int(d["linear_num_value_heads"]),
+                                   int(d["linear_key_head_dim"]), int(d["linear_value_head_dim"]),
+                                   int(d.get("linear_conv_kernel_dim") or 4))
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+    factor = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    rotary = int(head_dim * factor)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(f"partial_rotary_factor {factor} of head_dim {head_dim} gives an odd or empty rotary part")
+    return {"layer_types": types, "linear": linear, "rotary_dim": rotary}
 
 
 def _deepseek_moe(d: dict, arch: str) -> MoEConfig:

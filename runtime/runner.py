@@ -11,7 +11,7 @@ import torch
 
 from hicache.runtime import prompt_logprobs
 from hicache.runtime.attention import AttentionBackend
-from hicache.runtime.batch import BatchPlan, ForwardBatch, StepOutput
+from hicache.runtime.batch import BatchPlan, ForwardBatch, RecurrentBatch, StepOutput
 from hicache.runtime.bitmask import BitmaskFiller, PendingFill, allowed_ids
 from hicache.runtime.lora.batch import LoraBatch
 from hicache.runtime.pinned import tensor_to, to_device
@@ -19,19 +19,24 @@ from hicache.runtime.sampler import PendingSample, Sampler
 from hicache.runtime.spec.verify import verify as spec_verify
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
+from hicache.tiers.gpu.state import RecurrentStatePool
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: DeviceKVPool, req_table: ReqToTokenTable,
-                 attn: AttentionBackend, device: torch.device, cuda_graph: bool = False, max_batch: int = 256):
+                 attn: AttentionBackend, device: torch.device, cuda_graph: bool = False, max_batch: int = 256,
+                 states: RecurrentStatePool | None = None):
+        """`states`: the recurrent layers' state pool, for a model with such layers (whose decode
+        runs without CUDA graphs)."""
         self.model = model
+        self.states = states
         self.pool = pool
         self.req_table = req_table
         self.attn = attn
         self.device = device
         self.sampler = Sampler()
         self.bitmasks = BitmaskFiller(device)
-        self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" else None
+        self.graphs = self._capture(max_batch) if cuda_graph and device.type == "cuda" and states is None else None
 
     def _capture(self, max_batch: int):
         """Decode CUDA graphs when the decode backend is triton or flashinfer (the torch one syncs)."""
@@ -158,6 +163,12 @@ class ModelRunner:
             batch.seq_lens = batch.prefix_lens + 1
             batch.slot_table = self.req_table.table[batch.req_rows, : batch.max_seq_len]
         batch.attach_window(batch.max_seq_len)
+        if self.states is not None:
+            held = [r.lease.states for r in plan.reqs]
+            page = self.pool.allocator.page_size
+            batch.states = RecurrentBatch.build(
+                self.states, [st.working for st in held],
+                [st.targets(s, n, page) for st, s, n in zip(held, plan.starts, plan.extend_lens)], self.device)
         ids_dev = input_ids if input_ids is not None else meta[4 * n + total:]
         return ids_dev, meta[4 * n:4 * n + total], batch
 

@@ -232,6 +232,31 @@ class DevicePool(Protocol):
     def bytes_per_token(self) -> int: ...
 
 
+class StatePool(Protocol):
+    """L1 slots of recurrent state (`tiers/gpu/state.py`): each slot holds one state of every
+    recurrent layer of the model (a request's working state, or a snapshot: the state after a
+    prefix). Slots are ints in [0, capacity()); `alloc()` returns None when none is free. `copy`
+    and `clear` queue device copies in stream order. Only the scheduler thread calls it."""
+
+    def alloc(self) -> int | None: ...
+
+    def free(self, slot: int) -> None: ...
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot `dst` gets slot `src`'s states."""
+        ...
+
+    def clear(self, slot: int) -> None:
+        """Slot `slot` holds the state before any token (zeros)."""
+        ...
+
+    def num_free(self) -> int: ...
+
+    def capacity(self) -> int: ...
+
+    def free_slots(self) -> list[int]: ...
+
+
 class RequestTable(Protocol):
     """L1's request-to-token table: row r lists the device slots of its request's tokens in order.
     Rows are handed out by `alloc()` (None when none is free) and returned by `free()`; only the

@@ -179,7 +179,7 @@ class PrefillPlanner:
         headroom = self.policy.decode_headroom(self.queue.running, launched=after is not None, admitting=req)
         first = self.policy.chunk_len(req, budget, start=match.tokens)
         room = -(-first // self.page_size) * self.page_size + headroom
-        got = self.cache.admit(req.lease, match, room, load=not req.load_back_failed)
+        got = self.cache.admit(req.lease, match, room, load=not req.load_back_failed, resume_limit=req.prefix_limit)
         if got is None:
             return 0
         req.kv_len = got.prefix

@@ -119,12 +119,15 @@ def test_l1_sized_from_available_memory_and_the_context_served_fits_it(monkeypat
     from hicache.runtime.config import RuntimeConfig
     from hicache.tiers.gpu.pool import DeviceKVPool
 
-    cfg = SimpleNamespace(num_layers=30, head_dim=64, cache_head_dim=64)
+    cfg = SimpleNamespace(num_layers=30, kv_layers=30, head_dim=64, cache_head_dim=64)
     per_token = DeviceKVPool.token_bytes(30, 3, 64, torch.float32)
     monkeypatch.setattr(build, "available_ram", lambda: 4 << 30)  # MemAvailable, page cache included
     tokens = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)
     assert tokens == int(min((4 << 30) * 0.85 * 0.25, build.CPU_KV_CAP_BYTES) // per_token) // 64 * 64
     assert tokens * per_token <= 512 << 20  # modest: resident from the start
+    reserved = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3,
+                                    reserved=640 * per_token)  # a recurrent-state pool's bytes
+    assert reserved == tokens - 640
     monkeypatch.setattr(build, "available_ram", lambda: 1 << 30)  # other processes hold the memory
     with caplog.at_level("WARNING", logger=build.logger.name):
         small = build.kv_pool_tokens(RuntimeConfig(), cfg, torch.float32, torch.device("cpu"), 64, 3)

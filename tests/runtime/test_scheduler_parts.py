@@ -58,7 +58,7 @@ class FakeCache:
     def match(self, ids, namespace):
         return FakeMatch(min(self.cached.get(namespace, 0), len(ids)) // PAGE * PAGE)
 
-    def admit(self, lease, match, room, load=True):
+    def admit(self, lease, match, room, load=True, resume_limit=0):
         if self.used() + -(-room // PAGE) * PAGE > self.capacity:
             return None
         self.rows += 1

@@ -16,6 +16,7 @@ from hicache.tiers import base
 from hicache.tiers.gpu.allocator import WindowedAllocator
 from hicache.tiers.gpu.pool import DeviceKVPool
 from hicache.tiers.gpu.req_table import ReqToTokenTable
+from hicache.tiers.gpu.state import RecurrentStatePool
 from hicache.tiers.host.pool import HostKVPool, LockedAllocator
 from hicache.tiers.host.transfer import HostTransferEngine
 from hicache.tiers.remote.lmdb import LmdbBackend
@@ -30,7 +31,7 @@ BRAIN = Path(__file__).resolve().parents[2] / "hicache"
 # how the cache brain names the tier objects it holds (attributes, parameters, local aliases)
 TIER_NAMES = {"transfer": base.TransferEngine, "engine": base.StorageEngine,
               "allocator": base.WindowedPageAllocator, "host_allocator": base.PageAllocator,
-              "req_table": base.RequestTable, "host_pool": base.HostPool}
+              "req_table": base.RequestTable, "host_pool": base.HostPool, "state_pool": base.StatePool}
 PROTOCOLS = {name: getattr(base, name) for name in dir(base)
              if isinstance(getattr(base, name), type) and getattr(getattr(base, name), "_is_protocol", False)}
 
@@ -40,7 +41,7 @@ IMPLEMENTATIONS = [
     (base.PageAllocator, base.PagedAllocator), (base.PageAllocator, LockedAllocator),
     (base.WindowedPageAllocator, WindowedAllocator),
     (base.RequestTable, ReqToTokenTable), (base.RequestTable, JournaledReqTable),
-    (base.HostPool, HostKVPool), (base.DevicePool, DeviceKVPool),
+    (base.HostPool, HostKVPool), (base.DevicePool, DeviceKVPool), (base.StatePool, RecurrentStatePool),
     *((base.StorageBackend, b) for b in (LmdbBackend, MemoryBackend, RedisBackend, MooncakeBackend)),
 ]
 
