@@ -164,7 +164,7 @@ class Scheduler:
             self.step()
         self.counters.update(counters)
         if self.drafter is not None:
-            self.drafter.costs.clear()  # its steps compiled kernels: no measure of what a step costs
+            self.drafter.clear_costs()  # its steps compiled kernels: no measure of what a step costs
 
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):
@@ -200,20 +200,15 @@ class Scheduler:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
         if self.overlap is not None:
             self.overlap.step()
-        elif (plan := self.schedule()) is not None:
-            self.process_result(plan, self._run(plan))
         else:
-            self.idle_wait()
+            start = time.perf_counter()
+            if (plan := self.schedule()) is None:
+                self.idle_wait()
+            else:
+                self.process_result(plan, self.runner.run(plan))
+                if self.drafter is not None:  # the whole step's seconds: the drafter's step costs
+                    self.drafter.timed(plan, time.perf_counter() - start)
         return self.output.take()
-
-    def _run(self, plan: BatchPlan) -> StepOutput:
-        """Runs the plan; with speculative decoding, its seconds go to the drafter's step costs."""
-        if self.drafter is None:
-            return self.runner.run(plan)
-        start = time.perf_counter()
-        out = self.runner.run(plan)
-        self.drafter.timed(plan, time.perf_counter() - start)
-        return out
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for a grammar to compile, or for the cache's transfers."""

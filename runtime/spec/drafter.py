@@ -6,15 +6,19 @@ own prompt and output (`ContextNgrams`) or in the token sequences the radix tree
 `speculative_max_batch_size` requests, for a request whose grammar constrains its tokens or that
 returns log-probs (those decode one token a step), nor past its length limits.
 
-How many of the proposed tokens a step verifies (`fit`) is a cost decision: a verify step of n
-tokens costs what steps of n tokens were measured to cost (`StepCosts`, interpolated between
-the sizes measured), and request i's j-th
-draft token is expected to be accepted with probability a_i ** j, a_i its smoothed share of draft
-tokens accepted (`SpecState.rate`). Adding draft tokens in the order of their expected gain, the
-step verifies the prefix of that order that gives the most expected tokens per second; none when
-plain decoding gives more. So a request whose drafts are rejected stops drafting, large batches
-(compute-bound: a rejected token costs as much as a kept one) draft little, and as a request's
-record fades between verifications (`SpecState.fade`) it is tried again.
+How many of the proposed tokens a step verifies (`fit`) is a cost decision, on costs measured
+while serving: a step of n tokens costs what whole steps of n tokens (planning, drafting, the
+forward pass, verification and output processing) were measured to cost (`StepCosts`,
+interpolated between the sizes measured), and request i's j-th draft token is expected to be
+accepted with probability a_i ** j, a_i its smoothed share of draft tokens accepted
+(`SpecState.rate`, which starts from and fades back to the server's recent share). Adding draft
+tokens in the order of their expected gain, the step verifies the prefix of that order that gives
+the most expected tokens per second; none when plain decoding gives more. So a request whose
+drafts are rejected stops drafting, large batches (compute-bound: a rejected token costs as much as
+a kept one) draft little, and as a request's record fades between verifications
+(`SpecState.fade`) it is tried again. What verify steps of a batch's size actually gave is
+measured too (seconds per token emitted): while that is worse than a plain decode step of that
+size, steps of that size do not draft, and they try again once the measure is `REFRESH` steps old.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
     from hicache.runtime.request import Req
 
 DECAY = 0.8  # weight of a request's earlier draft outcomes at each verify step
+SERVER_DECAY = 0.99  # the same for the server's share of draft tokens accepted, a new request's prior
 FADE = 0.95  # the same at each decode step it verifies no draft
 COST_SMOOTHING = 0.3  # weight of the latest measurement of a step size's seconds
 REFRESH = 64  # steps after which the cost of a plain decode step of a batch's size is measured again
@@ -47,10 +52,10 @@ class SpecState:
         self.hits = self.misses = 0.0
         self.verified = self.accepted = 0
 
-    @property
-    def rate(self) -> float:
-        """The chance that a draft token is accepted once those before it were (1/2 with no record)."""
-        return (self.hits + 1) / (self.hits + self.misses + 2)
+    def rate(self, prior: float = 0.5) -> float:
+        """The chance that a draft token is accepted once those before it were (`prior` with no
+        record, as though it had two outcomes at that rate)."""
+        return (self.hits + 2 * prior) / (self.hits + self.misses + 2)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.hits = DECAY * self.hits + accepted
@@ -64,22 +69,29 @@ class SpecState:
 
 
 class StepCosts:
-    """Smoothed seconds of decode and verify steps by the tokens they computed (`estimate`: also
-    of sizes not measured yet); a size last measured more than `REFRESH` steps ago is `stale`."""
+    """Smoothed seconds by size (of decode and verify steps: the tokens they computed; `estimate`:
+    also of sizes not measured yet); a size last measured `REFRESH` steps or more ago is `stale`.
+    `tick()` counts a step."""
 
     def __init__(self):
         self._seconds: dict[int, float] = {}
         self._measured: dict[int, int] = {}  # size -> the step count at its last measurement
         self._steps = 0
 
+    def tick(self) -> None:
+        self._steps += 1
+
     def record(self, tokens: int, seconds: float) -> None:
         old = self._seconds.get(tokens)
         self._seconds[tokens] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
-        self._steps += 1
         self._measured[tokens] = self._steps
 
     def stale(self, tokens: int) -> bool:
         return self._steps - self._measured.get(tokens, -REFRESH) >= REFRESH
+
+    def measured(self, tokens: int) -> float | None:
+        """The seconds of size `tokens`, while not stale."""
+        return None if self.stale(tokens) else self._seconds.get(tokens)
 
     def clear(self) -> None:
         self._seconds.clear()
@@ -104,8 +116,16 @@ class Drafter:
         self.num_draft_tokens = rc.speculative_num_draft_tokens
         self.max_batch_size = rc.speculative_max_batch_size
         self.windows = (rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size)
-        self.costs = StepCosts()
+        self.costs = StepCosts()  # seconds of a step by the tokens it computed
+        self.yields = StepCosts()  # seconds per token emitted of verify steps, by their batch size
+        self._hits = self._misses = 0.0  # the server's draft outcomes, decayed by SERVER_DECAY
+        self._accepted = 0  # draft tokens accepted in the step being applied
         counters.spec_lengths(self.num_draft_tokens)
+
+    @property
+    def prior(self) -> float:
+        """The server's recent share of draft tokens accepted: where a request's rate starts."""
+        return (self._hits + 1) / (self._hits + self._misses + 2)
 
     def drafts_batch(self, batch: int) -> bool:
         """Whether a decode step of `batch` requests drafts."""
@@ -115,7 +135,8 @@ class Drafter:
         """Per request of a decode step, the draft tokens to verify after its last token (empty:
         it decodes one token), cut to what pays (`fit`)."""
         proposed = [self._propose(r) for r in reqs]
-        fitted = self.fit([r.spec.rate if r.spec is not None else 0.0 for r in reqs], proposed)
+        prior = self.prior
+        fitted = self.fit([r.spec.rate(prior) if r.spec is not None else 0.0 for r in reqs], proposed)
         for req, draft in zip(reqs, fitted):
             if req.spec is not None and not draft:
                 req.spec.fade()
@@ -134,16 +155,19 @@ class Drafter:
 
     def fit(self, rates: list[float], proposed: list[list[int]]) -> list[list[int]]:
         """The prefix of each proposal to verify: see the module docstring. None while plain
-        decode steps of this batch's size were not measured lately (this step measures one)."""
-        if self.costs.stale(len(proposed)):
+        decode steps of this batch's size were not measured lately (this step measures one), nor
+        while verify steps of this size lately gave fewer tokens a second than plain ones."""
+        batch = len(proposed)
+        if self.costs.stale(batch):
             return [[] for _ in proposed]
-        base = self.costs.estimate(len(proposed))
-        if not any(proposed):
-            return proposed
-        taken = [0] * len(proposed)
+        base = self.costs.estimate(batch)
+        verified = self.yields.measured(batch)
+        if not any(proposed) or (verified is not None and verified > base / batch):
+            return [[] for _ in proposed]
+        taken = [0] * batch
         gains = [(-rates[i], i) for i, d in enumerate(proposed) if d]
         heapq.heapify(gains)
-        tokens, expected = len(proposed), float(len(proposed))
+        tokens, expected = batch, float(batch)
         best, best_taken = expected / base, list(taken)
         while gains:
             gain, i = heapq.heappop(gains)
@@ -157,9 +181,19 @@ class Drafter:
         return [d[:k] for d, k in zip(proposed, best_taken)]
 
     def timed(self, plan: BatchPlan, seconds: float) -> None:
-        """A decode or verify step `plan` took `seconds` to run."""
-        if plan.mode in ("decode", "verify"):
-            self.costs.record(sum(plan.extend_lens), seconds)
+        """A decode or verify step `plan` took `seconds` to plan, run and apply."""
+        if plan.mode not in ("decode", "verify"):
+            return
+        self.costs.tick()
+        self.yields.tick()
+        self.costs.record(sum(plan.extend_lens), seconds)
+        if plan.mode == "verify":
+            self.yields.record(len(plan.reqs), seconds / (len(plan.reqs) + self._accepted))
+        self._accepted = 0
+
+    def clear_costs(self) -> None:
+        self.costs.clear()
+        self.yields.clear()
 
     def _room(self, req: Req) -> int:
         """Drafts that fit: the step emits them and one token more, within `max_new_tokens` and the context."""
@@ -172,4 +206,7 @@ class Drafter:
         self.counters["spec_draft_tokens"] += drafted
         self.counters["spec_accepted_tokens"] += accepted
         self.counters[f"spec_accepted_{accepted}"] += 1
+        self._accepted += accepted
+        self._hits = SERVER_DECAY * self._hits + accepted
+        self._misses = SERVER_DECAY * self._misses + (accepted < drafted)
         req.spec.record(drafted, accepted)

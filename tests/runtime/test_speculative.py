@@ -4,6 +4,7 @@ default model; rejection sampling keeps the target distribution; bad options nam
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +14,13 @@ from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.sampler import filtered_probs
 from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.spec.drafter import Drafter
 from hicache.runtime.spec.verify import accept_sampled, verify
 from engines import make_engine
 from test_overlap import GREEDY, request, run
+
+
+REAL_TIMED = Drafter.timed  # (the fixture below replaces it)
 
 
 @pytest.fixture(autouse=True)
@@ -23,10 +28,9 @@ def memory_bound_step_costs(monkeypatch):
     """Step costs of a memory-bound device (a token more costs a hundredth of a step), recorded
     instead of this machine's timings: whether and how long a request drafts must not depend on
     how loaded the machine running the tests is. The cost model itself is tested on its own."""
-    from hicache.runtime.spec.drafter import Drafter
-
     def timed(self, plan, seconds):
         if plan.mode in ("decode", "verify"):
+            self.costs.tick()
             self.costs.record(sum(plan.extend_lens), 0.01 * (1 + sum(plan.extend_lens) / 100))
     monkeypatch.setattr(Drafter, "timed", timed)
 
@@ -158,24 +162,72 @@ def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path
         drafter.costs.record(n, 0.005 * n)
     assert drafter.fit([0.6, 0.6], proposals) == [[], []]
     for _ in range(REFRESH):
+        drafter.costs.tick()
         drafter.costs.record(10, 0.001)
     assert drafter.costs.stale(2) and drafter.fit([0.99, 0.99], proposals) == [[], []]  # measured again first
+
+
+def test_a_batch_size_whose_verify_steps_gave_less_than_plain_ones_stops_drafting(tiny_config_path):
+    """The expected gain says draft (memory-bound costs, good rates), but verify steps of two
+    requests were measured to give fewer tokens a second than a plain step of two: no drafts
+    at that size until that measure is REFRESH steps old; other sizes draft."""
+    from hicache.runtime.spec.drafter import REFRESH
+
+    drafter = scheduler(tiny_config_path, True).drafter
+    proposals = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    for n in range(1, 11):
+        drafter.costs.record(n, 0.010 + 0.0001 * n)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals
+    drafter.yields.record(2, 0.0051)  # seconds per token emitted; a plain step of two: 0.0051 too
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # (no worse)
+    drafter.yields.record(2, 0.008)
+    assert drafter.fit([0.9, 0.9], proposals) == [[], []]
+    assert drafter.fit([0.9, 0.9, 0.9], proposals + [[9]]) == proposals + [[9]]
+    for _ in range(REFRESH):
+        drafter.yields.tick()
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # tried again
+
+
+def test_timed_steps_measure_step_costs_and_verify_yields(tiny_config_path):
+    """A step's seconds go to the costs of its token count; a verify step's, over the tokens it
+    emitted (one a request plus the drafts accepted), to its batch size's yield too."""
+    from hicache.runtime.batch import BatchPlan
+    from hicache.runtime.spec.drafter import SpecState
+
+    drafter = scheduler(tiny_config_path, True).drafter
+    REAL_TIMED(drafter, BatchPlan("decode", [None, None], [5, 7], [1, 1], [True, True]), 0.02)
+    assert drafter.costs.measured(2) == 0.02 and drafter.yields.measured(2) is None
+    a, b = SimpleNamespace(spec=SpecState(1, 3)), SimpleNamespace(spec=SpecState(1, 3))
+    drafter.record(a, 3, 2)
+    drafter.record(b, 2, 0)
+    REAL_TIMED(drafter, BatchPlan("verify", [a, b], [5, 7], [4, 3], [True, True], drafts=[[1, 2, 3], [4, 5]]), 0.03)
+    assert drafter.costs.measured(7) == 0.03 and drafter.yields.measured(2) == pytest.approx(0.03 / 4)
+    assert drafter.prior == pytest.approx((0.99 * 2 + 1) / (0.99 * 2 + 0.99 + 1 + 2))  # 2 accepted, 2 rejections
+
+
+def test_a_new_request_starts_from_the_server_share_of_accepted_drafts():
+    from hicache.runtime.spec.drafter import SpecState
+
+    fresh = SpecState(1, 3)
+    assert fresh.rate() == 0.5 and fresh.rate(0.1) == pytest.approx(0.1)
+    fresh.record(4, 4)
+    assert fresh.rate(0.1) > 0.5
 
 
 def test_a_request_record_of_rejections_fades():
     from hicache.runtime.spec.drafter import SpecState
 
     state = SpecState(1, 3)
-    assert state.rate == 0.5
+    assert state.rate() == 0.5
     for _ in range(5):
         state.record(4, 0)
-    low = state.rate
+    low = state.rate()
     assert low < 0.2
     for _ in range(40):
         state.fade()
-    assert low < state.rate < 0.5  # tried again, some time later
+    assert low < state.rate() < 0.5  # tried again, some time later
     state.record(4, 4)
-    assert state.rate > 0.5
+    assert state.rate() > 0.5
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
