@@ -68,9 +68,9 @@ class Scheduler:
         self.policy = BudgetPolicy(rc, self.page_size, self.cache.capacity_tokens, prefill_ahead,
                                    self.cache.has_host_tier, cuda)
         self.queue = QueueState()
-        self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
-        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm \
-            else None
+        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length, parts.draft) \
+            if rc.speculative_algorithm else None
+        self.memory = Memory(self.queue, self.cache, self.policy, self.counters, self.drafter)
         self.output = OutputProcessor(self.queue, self.cache, self.memory, self.grammars, self.stop_checker,
                                       self.jump, self.counters, self.context_length, self.drafter)
         self.decode = DecodePlanner(self.queue, self.cache, self.policy, self.memory, self.stop_checker,
@@ -229,7 +229,7 @@ class Scheduler:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
         if self.queue.running_count() or self.queue.has_waiting() or self._step_in_flight():
             return False
-        return self.cache.flush()
+        return self.cache.flush() and (self.drafter is None or self.drafter.flush())
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -277,6 +277,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity([r.lease for r in self.queue.running], self.rc.max_running_requests)
+        if self.drafter is not None:
+            self.drafter.check_integrity(list(self.queue.running))
 
     def stats(self) -> dict:
         return self.counters.report(self.cache.tier_stats(self.counters.hits(), self.bytes_per_token),

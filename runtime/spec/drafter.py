@@ -1,12 +1,14 @@
-"""`Drafter`: the draft tokens of each request of a decode step (NGRAM), and how many of them to verify.
+"""`Drafter`: the draft tokens of each request of a decode step, and how many of them to verify.
 
-A request's proposal is the continuation of the longest tail of its tokens that matched, in its
-own prompt and output (`ContextNgrams`) or in the token sequences the radix tree holds
-(`CacheManager.propose`); its own tokens win a tie. None in a step of more than
-`speculative_max_batch_size` requests, for a request whose grammar constrains its tokens or that
-returns log-probs (those decode one token a step), nor past its length limits.
+NGRAM: a request's proposal is the continuation of the longest tail of its tokens that matched,
+in its own prompt and output (`ContextNgrams`) or in the token sequences the radix tree holds
+(`CacheManager.propose`); its own tokens win a tie. STANDALONE: the draft model (`DraftModel`)
+decodes as many tokens as `fit` gives the request, after the fit (its drafts are not known before
+they are computed). None in a step of more than `speculative_max_batch_size` requests, for a
+request whose grammar constrains its tokens or that returns log-probs (those decode one token a
+step), nor past its length limits.
 
-How many of the proposed tokens a step verifies (`fit`) is a cost decision, on costs measured
+How many draft tokens a step verifies (`fit`) is a cost decision, on costs measured
 while serving: a step of n tokens costs what whole steps of n tokens (planning, drafting, the
 forward pass, verification and output processing) were measured to cost (`StepCosts`,
 interpolated between the sizes measured), and request i's j-th draft token is expected to be
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from hicache.runtime.config import RuntimeConfig
     from hicache.runtime.counters import Counters
     from hicache.runtime.request import Req
+    from hicache.runtime.spec.draft_model import DraftModel
 
 DECAY = 0.8  # weight of a request's earlier draft outcomes at each verify step
 SERVER_DECAY = 0.99  # the same for the server's share of draft tokens accepted, a new request's prior
@@ -42,13 +45,15 @@ REFRESH = 64  # steps after which the cost of a plain decode step of a batch's s
 
 
 class SpecState:
-    """A request's drafting state: its own n-grams, its smoothed counts of draft tokens accepted
-    and of rejections, and its drafts verified and draft tokens accepted so far."""
+    """A request's drafting state: its own n-grams (NGRAM) or its shadow on the draft model's
+    cache (STANDALONE, `DraftModel`), its smoothed counts of draft tokens accepted and of
+    rejections, and its drafts verified and draft tokens accepted so far."""
 
-    __slots__ = ("context", "hits", "misses", "verified", "accepted")
+    __slots__ = ("context", "shadow", "hits", "misses", "verified", "accepted")
 
     def __init__(self, min_window: int, max_window: int):
         self.context = ContextNgrams(min_window, max_window)
+        self.shadow: Req | None = None
         self.hits = self.misses = 0.0
         self.verified = self.accepted = 0
 
@@ -111,8 +116,10 @@ class StepCosts:
 
 
 class Drafter:
-    def __init__(self, rc: RuntimeConfig, cache: CacheManager, counters: Counters, context_length: int):
-        self.cache, self.counters, self.context_length = cache, counters, context_length
+    def __init__(self, rc: RuntimeConfig, cache: CacheManager, counters: Counters, context_length: int,
+                 model: DraftModel | None = None):
+        """`model`: STANDALONE's draft model (None: NGRAM)."""
+        self.cache, self.counters, self.context_length, self.model = cache, counters, context_length, model
         self.num_draft_tokens = rc.speculative_num_draft_tokens
         self.max_batch_size = rc.speculative_max_batch_size
         self.windows = (rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size)
@@ -136,36 +143,44 @@ class Drafter:
         it decodes one token), cut to what pays (`fit`)."""
         proposed = [self._propose(r) for r in reqs]
         prior = self.prior
-        fitted = self.fit([r.spec.rate(prior) if r.spec is not None else 0.0 for r in reqs], proposed)
-        for req, draft in zip(reqs, fitted):
+        lengths = self.fit([r.spec.rate(prior) if r.spec is not None else 0.0 for r in reqs],
+                           [len(p) if p is not None else self._room(r) for r, p in zip(reqs, proposed)])
+        drafts = self.model.draft(reqs, lengths) if self.model is not None else \
+            [p[:n] if n else [] for p, n in zip(proposed, lengths)]
+        for req, draft in zip(reqs, drafts):
             if req.spec is not None and not draft:
                 req.spec.fade()
-        return fitted
+        return drafts
 
-    def _propose(self, req: Req) -> list[int]:
+    def _propose(self, req: Req) -> list[int] | None:
+        """NGRAM's proposal for `req` (empty: it does not draft); None: the draft model's, not
+        computed yet."""
         n = self._room(req)
         if n <= 0 or req.grammar is not None or req.return_logprob or req.top_logprobs_num:
             return []
         if req.spec is None:
             req.spec = SpecState(*self.windows)
+        if self.model is not None:
+            return None
         tokens = req.all_ids
         own = req.spec.context.propose(tokens, n)
         cached = self.cache.propose(tokens, req.namespace, n)
         return (cached if cached.window > own.window else own).tokens
 
-    def fit(self, rates: list[float], proposed: list[list[int]]) -> list[list[int]]:
-        """The prefix of each proposal to verify: see the module docstring. None while plain
-        decode steps of this batch's size were not measured lately (this step measures one), nor
-        while verify steps of this size lately gave fewer tokens a second than plain ones."""
-        batch = len(proposed)
+    def fit(self, rates: list[float], lengths: list[int]) -> list[int]:
+        """How many of its `lengths[i]` proposed tokens request i verifies: see the module
+        docstring. None while plain decode steps of this batch's size were not measured lately
+        (this step measures one), nor while verify steps of this size lately gave fewer tokens
+        a second than plain ones."""
+        batch = len(lengths)
+        taken = [0] * batch
         if self.costs.stale(batch):
-            return [[] for _ in proposed]
+            return taken
         base = self.costs.estimate(batch)
         verified = self.yields.measured(batch)
-        if not any(proposed) or (verified is not None and verified > base / batch):
-            return [[] for _ in proposed]
-        taken = [0] * batch
-        gains = [(-rates[i], i) for i, d in enumerate(proposed) if d]
+        if not any(lengths) or (verified is not None and verified > base / batch):
+            return taken
+        gains = [(-rates[i], i) for i, n in enumerate(lengths) if n]
         heapq.heapify(gains)
         tokens, expected = batch, float(batch)
         best, best_taken = expected / base, list(taken)
@@ -173,12 +188,12 @@ class Drafter:
             gain, i = heapq.heappop(gains)
             taken[i] += 1
             tokens, expected = tokens + 1, expected - gain
-            if taken[i] < len(proposed[i]):
+            if taken[i] < lengths[i]:
                 heapq.heappush(gains, (-rates[i] ** (taken[i] + 1), i))
             rate = expected / self.costs.estimate(tokens)
             if rate > best:
                 best, best_taken = rate, list(taken)
-        return [d[:k] for d, k in zip(proposed, best_taken)]
+        return best_taken
 
     def timed(self, plan: BatchPlan, seconds: float) -> None:
         """A decode or verify step `plan` took `seconds` to plan, run and apply."""
@@ -210,3 +225,20 @@ class Drafter:
         self._hits = SERVER_DECAY * self._hits + accepted
         self._misses = SERVER_DECAY * self._misses + (accepted < drafted)
         req.spec.record(drafted, accepted)
+        if self.model is not None:
+            self.model.verified(req)
+
+    def release(self, req: Req) -> None:
+        """`req` leaves the running set (finished, aborted or retracted): what the draft model
+        holds for it goes."""
+        if self.model is not None:
+            self.model.release(req)
+
+    def check_integrity(self, reqs: list[Req]) -> None:
+        """The draft model's cache, where there is one (`DraftModel.check_integrity`)."""
+        if self.model is not None:
+            self.model.check_integrity(reqs)
+
+    def flush(self) -> bool:
+        """Empties the draft model's cache, where there is one; False while transfers are in flight."""
+        return self.model is None or self.model.flush()
