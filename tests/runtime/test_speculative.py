@@ -437,3 +437,30 @@ def test_a_regenerated_answer_drafts_from_the_cache(default_model_path):
         lengths[capacity], texts[capacity] = again["meta_info"].get("spec_accept_length", 1.0), again["output_ids"]
     assert texts[0] == texts[1_000_000]
     assert lengths[1_000_000] >= 1.5 * lengths[0], lengths
+
+
+def test_default_model_standalone_greedy_equal_with_stop_strings_and_chunked_prefill(default_model_path):
+    """The default model drafting for itself (its drafts hold), prompts in chunks, and a stop
+    string inside the answer: the text ends where decoding without drafts ends it."""
+    prompt = ("<|im_start|>user\nRewrite this Python function, renaming merge_sorted to merge_lists, and keep "
+              f"everything else the same:\n\n{MERGE}<|im_end|>\n<|im_start|>assistant\n")
+    outs, stats = {}, None
+    for spec in (None, "STANDALONE"):
+        engine = make_engine(default_model_path, speculative_algorithm=spec, hicache_storage_backend="none",
+                             max_total_tokens=4096, chunked_prefill_size=32,
+                             speculative_draft_model_path=default_model_path if spec else None)
+        try:
+            free = engine.generate(prompt, sampling_params={"temperature": 0, "max_new_tokens": 64})
+            stop = free["text"][len(free["text"]) // 2:][:6]
+            stopped = engine.generate(prompt, sampling_params={"temperature": 0, "max_new_tokens": 64, "stop": stop})
+            outs[spec] = (free, stopped, stop)
+            stats = engine.get_stats()
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+    (free, stopped, stop), (sfree, sstopped, sstop) = outs[None], outs["STANDALONE"]
+    assert sfree["output_ids"] == free["output_ids"] and sstop == stop
+    assert sstopped["text"] == stopped["text"] and len(stopped["text"]) < len(free["text"])
+    assert sstopped["meta_info"]["finish_reason"] == stopped["meta_info"]["finish_reason"]
+    assert stats["speculative"]["accepted_tokens"] > 0.8 * stats["speculative"]["draft_tokens"] > 0
+    assert sfree["meta_info"]["spec_accept_length"] > 2
