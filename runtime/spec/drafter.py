@@ -19,8 +19,9 @@ the most expected tokens per second; none when plain decoding gives more. So a r
 drafts are rejected stops drafting, large batches (compute-bound: a rejected token costs as much as
 a kept one) draft little, and as a request's record fades between verifications
 (`SpecState.fade`) it is tried again. What verify steps of a batch's size actually gave is
-measured too (seconds per token emitted): while that is worse than a plain decode step of that
-size, steps of that size do not draft, and they try again once the measure is `REFRESH` steps old.
+measured too (`VerifyYields`: seconds per token emitted, over the latest few): while that is
+worse than a plain decode step of that size, steps of that size do not draft, and they try again
+once the measure is `REFRESH` steps old.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ SERVER_DECAY = 0.99  # the same for the server's share of draft tokens accepted,
 FADE = 0.95  # the same at each decode step it verifies no draft
 COST_SMOOTHING = 0.3  # weight of the latest measurement of a step size's seconds
 REFRESH = 64  # steps after which the cost of a plain decode step of a batch's size is measured again
+YIELD_DECAY = 0.8  # weight of a batch size's earlier verify steps at each of its verify steps
+YIELD_EVIDENCE = 4  # verify steps of a batch size measured before their yield may stop its drafts
 
 
 class SpecState:
@@ -115,6 +118,36 @@ class StepCosts:
         return lo + (hi - lo) * (tokens - below) / (above - below)
 
 
+class VerifyYields:
+    """What verify steps gave, by batch size: their seconds and the tokens they emitted (sums
+    decayed by YIELD_DECAY at each verify step of that size), how many were measured, and when
+    the latest was (steps counted by `tick()`)."""
+
+    def __init__(self):
+        self._sums: dict[int, list[float]] = {}  # batch -> [seconds, tokens, verify steps, step of the latest]
+        self._steps = 0
+
+    def tick(self) -> None:
+        self._steps += 1
+
+    def record(self, batch: int, seconds: float, tokens: int) -> None:
+        s = self._sums.setdefault(batch, [0.0, 0.0, 0, 0])
+        s[0], s[1] = YIELD_DECAY * s[0] + seconds, YIELD_DECAY * s[1] + tokens
+        s[2] += 1
+        s[3] = self._steps
+
+    def seconds_per_token(self, batch: int) -> float | None:
+        """Of verify steps of `batch` requests; None with fewer than YIELD_EVIDENCE measured, or
+        the latest `REFRESH` steps ago or more."""
+        s = self._sums.get(batch)
+        if s is None or s[2] < YIELD_EVIDENCE or self._steps - s[3] >= REFRESH:
+            return None
+        return s[0] / s[1]
+
+    def clear(self) -> None:
+        self._sums.clear()
+
+
 class Drafter:
     def __init__(self, rc: RuntimeConfig, cache: CacheManager, counters: Counters, context_length: int,
                  model: DraftModel | None = None):
@@ -124,7 +157,7 @@ class Drafter:
         self.max_batch_size = rc.speculative_max_batch_size
         self.windows = (rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size)
         self.costs = StepCosts()  # seconds of a step by the tokens it computed
-        self.yields = StepCosts()  # seconds per token emitted of verify steps, by their batch size
+        self.yields = VerifyYields()
         self._hits = self._misses = 0.0  # the server's draft outcomes, decayed by SERVER_DECAY
         self._accepted = 0  # draft tokens accepted in the step being applied
         counters.spec_lengths(self.num_draft_tokens)
@@ -177,7 +210,7 @@ class Drafter:
         if self.costs.stale(batch):
             return taken
         base = self.costs.estimate(batch)
-        verified = self.yields.measured(batch)
+        verified = self.yields.seconds_per_token(batch)
         if not any(lengths) or (verified is not None and verified > base / batch):
             return taken
         gains = [(-rates[i], i) for i, n in enumerate(lengths) if n]
@@ -203,7 +236,7 @@ class Drafter:
         self.yields.tick()
         self.costs.record(sum(plan.extend_lens), seconds)
         if plan.mode == "verify":
-            self.yields.record(len(plan.reqs), seconds / (len(plan.reqs) + self._accepted))
+            self.yields.record(len(plan.reqs), seconds, len(plan.reqs) + self._accepted)
         self._accepted = 0
 
     def clear_costs(self) -> None:

@@ -174,17 +174,22 @@ def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path
 def test_a_batch_size_whose_verify_steps_gave_less_than_plain_ones_stops_drafting(tiny_config_path):
     """The expected gain says draft (memory-bound costs, good rates), but verify steps of two
     requests were measured to give fewer tokens a second than a plain step of two: no drafts
-    at that size until that measure is REFRESH steps old; other sizes draft."""
-    from hicache.runtime.spec.drafter import REFRESH
+    at that size until that measure is REFRESH steps old; other sizes draft. A single bad verify
+    step (one whose drafts were all rejected) is not enough."""
+    from hicache.runtime.spec.drafter import REFRESH, YIELD_EVIDENCE
 
     drafter = scheduler(tiny_config_path, True).drafter
     proposals = [4, 4]  # draft tokens proposed
     for n in range(1, 11):
         drafter.costs.record(n, 0.010 + 0.0001 * n)
     assert drafter.fit([0.9, 0.9], proposals) == proposals
-    drafter.yields.record(2, 0.0051)  # seconds per token emitted; a plain step of two: 0.0051 too
+    drafter.yields.record(2, 0.06, 2)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # one step: no evidence yet
+    drafter.yields.clear()
+    for _ in range(YIELD_EVIDENCE):  # seconds and tokens emitted; a plain step of two: 0.0051 a token
+        drafter.yields.record(2, 0.0204, 4)
     assert drafter.fit([0.9, 0.9], proposals) == proposals  # (no worse)
-    drafter.yields.record(2, 0.008)
+    drafter.yields.record(2, 0.06, 2)
     assert drafter.fit([0.9, 0.9], proposals) == [0, 0]
     assert drafter.fit([0.9, 0.9, 0.9], proposals + [1]) == proposals + [1]
     for _ in range(REFRESH):
@@ -196,17 +201,22 @@ def test_timed_steps_measure_step_costs_and_verify_yields(tiny_config_path):
     """A step's seconds go to the costs of its token count; a verify step's, over the tokens it
     emitted (one a request plus the drafts accepted), to its batch size's yield too."""
     from hicache.runtime.batch import BatchPlan
-    from hicache.runtime.spec.drafter import SpecState
+    from hicache.runtime.spec.drafter import YIELD_EVIDENCE, SpecState
 
     drafter = scheduler(tiny_config_path, True).drafter
     REAL_TIMED(drafter, BatchPlan("decode", [None, None], [5, 7], [1, 1], [True, True]), 0.02)
-    assert drafter.costs.measured(2) == 0.02 and drafter.yields.measured(2) is None
+    assert drafter.costs.measured(2) == 0.02 and drafter.yields.seconds_per_token(2) is None
     a, b = SimpleNamespace(spec=SpecState(1, 3)), SimpleNamespace(spec=SpecState(1, 3))
-    drafter.record(a, 3, 2)
-    drafter.record(b, 2, 0)
-    REAL_TIMED(drafter, BatchPlan("verify", [a, b], [5, 7], [4, 3], [True, True], drafts=[[1, 2, 3], [4, 5]]), 0.03)
-    assert drafter.costs.measured(7) == 0.03 and drafter.yields.measured(2) == pytest.approx(0.03 / 4)
-    assert drafter.prior == pytest.approx((0.99 * 2 + 1) / (0.99 * 2 + 0.99 + 1 + 2))  # 2 accepted, 2 rejections
+    verify = BatchPlan("verify", [a, b], [5, 7], [4, 3], [True, True], drafts=[[1, 2, 3], [4, 5]])
+    for n in range(YIELD_EVIDENCE):
+        assert drafter.yields.seconds_per_token(2) is None  # too few verify steps measured yet
+        drafter.record(a, 3, 2)
+        drafter.record(b, 2, 0)
+        REAL_TIMED(drafter, verify, 0.03)
+        if n == 0:
+            assert drafter.costs.measured(7) == 0.03
+            assert drafter.prior == pytest.approx((0.99 * 2 + 1) / (0.99 * 2 + 0.99 + 1 + 2))  # 2 accepted, 2 rejections
+    assert drafter.yields.seconds_per_token(2) == pytest.approx(0.03 / 4)  # 4 tokens a step: 1 + 1 + 2 accepted
 
 
 def test_a_new_request_starts_from_the_server_share_of_accepted_drafts():
