@@ -179,7 +179,7 @@ class Drafter:
         lengths = self.fit([r.spec.rate(prior) if r.spec is not None else 0.0 for r in reqs],
                            [len(p) if p is not None else self._room(r) for r, p in zip(reqs, proposed)])
         drafts = self.model.draft(reqs, lengths) if self.model is not None else \
-            [p[:n] if n else [] for p, n in zip(proposed, lengths)]
+            [p[:n] for p, n in zip(proposed, lengths)]
         for req, draft in zip(reqs, drafts):
             if req.spec is not None and not draft:
                 req.spec.fade()
