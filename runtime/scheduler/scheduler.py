@@ -164,7 +164,7 @@ class Scheduler:
             self.step()
         self.counters.update(counters)
         if self.drafter is not None:
-            self.drafter.clear_costs()  # its steps compiled kernels: no measure of what a step costs
+            self.drafter.reset()  # its steps compiled kernels: no measure of what a step costs
 
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):

@@ -239,9 +239,11 @@ class Drafter:
             self.yields.record(len(plan.reqs), seconds, len(plan.reqs) + self._accepted)
         self._accepted = 0
 
-    def clear_costs(self) -> None:
+    def reset(self) -> None:
+        """Forgets what steps taught it: their costs and yields, and the server's acceptance."""
         self.costs.clear()
         self.yields.clear()
+        self._hits = self._misses = 0.0
 
     def _room(self, req: Req) -> int:
         """Drafts that fit: the step emits them and one token more, within `max_new_tokens` and the context."""
