@@ -18,6 +18,7 @@ from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.runner import ModelRunner
 from hicache.runtime.scheduler import Scheduler
+from hicache.runtime.spec.draft_model import DraftModel
 from hicache.runtime.tp import RankGroup, rank_device
 from hicache.recurrent import RecurrentPolicy
 from hicache.runtime.tp_fanout import JournaledReqTable, StorageFanout, TPModelRunner, TransferFanout
@@ -51,6 +52,7 @@ class Components(NamedTuple):
     context_length: int
     model_name: str
     loras: LoraRegistry | None = None  # the served LoRA adapters, with enable_lora
+    draft: DraftModel | None = None  # STANDALONE speculative decoding's draft model
 
 
 
@@ -111,15 +113,22 @@ def build_rank(rc: RuntimeConfig, cc: HiCacheConfig, tp: TensorParallel, table_c
     transfer = None if host_pool is None else HostTransferEngine(
         pool, host_pool, cc.hicache_io_backend, cc.hicache_load_layerwise, cc.hicache_load_ahead_layers,
         cc.hicache_load_blocks, frozenset(windows))
+    state_pool = states.build(dtype, device) if states is not None else None
+    return RankParts(loaded, pool, req_table, host_pool, transfer, attention(rc, loaded, device, dtype), device,
+                     context, state_pool)
+
+
+def attention(rc: RuntimeConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The attention backend of `loaded` (its CPU kernels turned on where they apply)."""
+    cfg = loaded.config
     cpu_kernels = device.type == "cpu" and not rc.disable_cpu_kernels
     if cpu_kernels and hasattr(loaded.model, "use_cpu_kernels"):
         loaded.model.use_cpu_kernels(quantized=not rc.disable_cpu_quantized_linears)
-    attn = make_latent_attention(rc.attention_backend, rc.decode_attention_backend, cfg.mla.kv_lora_rank,
-                                 cfg.attn_scale) if cfg.mla is not None else make_attention(
-        rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim, cfg.attn_scale,
-        cfg.layer_windows, cpu_kernels)
-    state_pool = states.build(dtype, device) if states is not None else None
-    return RankParts(loaded, pool, req_table, host_pool, transfer, attn, device, context, state_pool)
+    if cfg.mla is not None:
+        return make_latent_attention(rc.attention_backend, rc.decode_attention_backend, cfg.mla.kv_lora_rank,
+                                     cfg.attn_scale)
+    return make_attention(rc.attention_backend, rc.decode_attention_backend, device, dtype, cfg.head_dim,
+                          cfg.attn_scale, cfg.layer_windows, cpu_kernels)
 
 
 class StateSpec(NamedTuple):
@@ -176,7 +185,46 @@ def assemble(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts, ranks: Rank
     nbytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
     logger.info("L1 KV pool: %d tokens (%.1f MiB%s), context %d", pool.num_slots, nbytes / 2**20,
                 f"; windowed layers: {pool.window_slots} slots" if pool.window_layers else "", parts.context)
-    return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name, lora_registry(rc, loaded))
+    return Components(cfg, loaded.tokenizer, pool, cache, runner, parts.context, cfg.name, lora_registry(rc, loaded),
+                      draft_model(rc, cc, parts))
+
+
+def draft_model(rc: RuntimeConfig, cc: HiCacheConfig, parts: RankParts) -> DraftModel | None:
+    """STANDALONE's draft model (None for other algorithms) on the target's device and dtype,
+    with an L1 pool of as many tokens as the target's, a request table as large, and a radix
+    tree of its own (runtime/spec/draft_model.py says why). ValueError naming
+    speculative_draft_model_path when its vocabulary is not the target's, or its architecture
+    has sliding-window layers, latent attention or recurrent layers."""
+    if rc.speculative_algorithm != "STANDALONE":
+        return None
+    target, dtype = parts.loaded, next(parts.loaded.model.parameters()).dtype
+    loaded = load_model(rc.speculative_draft_model_path, rc.load_format, dtype, parts.device, rc.random_seed)
+    check_draft_vocabulary(loaded, target)
+    cfg = loaded.config
+    if any(cfg.layer_windows) or cfg.mla is not None or cfg.recurrent_layers:
+        raise ValueError(f"speculative_draft_model_path: {loaded.path} has sliding-window layers, latent "
+                         "attention or recurrent layers, not supported in a draft model")
+    pool = DeviceKVPool(parts.pool.num_slots, cc.page_size, cfg.num_layers, loaded.num_kv_heads, cfg.cache_head_dim,
+                        dtype, parts.device, frozenset(), 0, 0)
+    table = ReqToTokenTable(rc.max_running_requests, parts.req_table.max_context, parts.device)
+    runner = ModelRunner(loaded.model, pool, table, attention(rc, loaded, parts.device, dtype), parts.device)
+    tree = RadixTree(pool.allocator, cc.page_size, cc.radix_eviction_policy, disabled=cc.disable_radix_cache)
+    logger.info("draft model %s: L1 KV pool of %d tokens", loaded.path, pool.num_slots)
+    return DraftModel(runner, CacheManager.build(tree, table), rc.max_running_requests)
+
+
+def check_draft_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
+    """ValueError naming speculative_draft_model_path unless the draft's vocabulary is the
+    target's: the same size and, where both have tokenizers, the same token of every id."""
+    same = draft.config.vocab_size == target.config.vocab_size
+    if same and draft.tokenizer is not None and target.tokenizer is not None:
+        same = draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    elif same:
+        same = draft.tokenizer is None and target.tokenizer is None
+    if not same:
+        raise ValueError(f"speculative_draft_model_path: the draft model's vocabulary ({draft.config.vocab_size} "
+                         f"tokens, {draft.path}) is not the target model's ({target.config.vocab_size} tokens): a "
+                         "draft model must share the target's tokenizer")
 
 
 def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None:
@@ -196,14 +244,14 @@ def lora_registry(rc: RuntimeConfig, loaded: LoadedModel) -> LoraRegistry | None
 
 def ngram_index(rc: RuntimeConfig, windowed: bool, recurrent: bool = False) -> NgramIndex | None:
     """The index over the tree's tokens that NGRAM drafts come from (None: no speculative
-    decoding, or drafts from each request's own tokens only)."""
+    decoding, another algorithm, or drafts from each request's own tokens only)."""
     if rc.speculative_algorithm is None:
         return None
     if windowed:
         raise ValueError("speculative_algorithm: not supported with sliding-window models yet")
     if recurrent:  # a rejected draft would have to be taken out of the recurrent state
         raise ValueError("speculative_algorithm: not supported with recurrent models (Qwen3-Next) yet")
-    if rc.speculative_ngram_capacity == 0:
+    if rc.speculative_algorithm != "NGRAM" or rc.speculative_ngram_capacity == 0:
         return None
     return NgramIndex(rc.speculative_ngram_min_match_window_size, rc.speculative_ngram_max_match_window_size,
                       rc.speculative_ngram_capacity)

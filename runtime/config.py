@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from hicache.runtime.attention import check_names
 
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("tcp",)
 
@@ -46,7 +46,8 @@ class RuntimeConfig:
     jump_forward: bool | None = field(default=None, metadata={"help": "Append the run of tokens a request's grammar forces at once and compute it in the next step, instead of decoding each forced token with a model step of its own. Default: on on CPU, off with CUDA, where an extend of the forced runs, outside the CUDA graphs, costs more than the decode steps it saves."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel ranks: the model and each KV tier are split over this many processes (one GPU each on CUDA; gloo on CPU)."})
-    speculative_algorithm: str | None = field(default=None, metadata={"help": "Speculative decoding: NGRAM drafts tokens from n-grams of the request's own prompt and output and of every token sequence the radix tree holds, and verifies them in one step (greedy outputs unchanged; sampling keeps the target distribution). Default: off. Not with tp_size > 1, overlap scheduling or sliding-window models."})
+    speculative_algorithm: str | None = field(default=None, metadata={"help": "Speculative decoding: NGRAM drafts tokens from n-grams of the request's own prompt and output and of every token sequence the radix tree holds; STANDALONE has a smaller model with the same vocabulary (speculative_draft_model_path) decode them greedily. Either way one step verifies them (greedy outputs unchanged; sampling keeps the target distribution). Default: off. Not with tp_size > 1, overlap scheduling or sliding-window models."})
+    speculative_draft_model_path: str | None = field(default=None, metadata={"help": "STANDALONE: the draft model (a GGUF file, an HF folder or a packaged model name, loaded as load_format says), with the target's vocabulary; its KV lives in an L1 pool of its own (as many tokens as the target's) with a radix tree of its own."})
     speculative_num_draft_tokens: int = field(default=6, metadata={"help": "With speculative decoding: most draft tokens verified per request and step (the step computes one more: the request's last token)."})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM: the shortest tail of a request's tokens that is looked up to draft from what followed it."})
     speculative_ngram_max_match_window_size: int = field(default=4, metadata={"help": "NGRAM: the longest tail looked up (longer tails are tried first); every cached token is indexed once per window size in between."})
@@ -90,6 +91,12 @@ class RuntimeConfig:
         self._check_disaggregation()
 
     def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None or self.speculative_algorithm == "NGRAM":
+            if self.speculative_draft_model_path is not None:
+                raise ValueError("speculative_draft_model_path: a draft model drafts with speculative_algorithm "
+                                 "STANDALONE only")
+        elif self.speculative_algorithm == "STANDALONE" and self.speculative_draft_model_path is None:
+            raise ValueError("speculative_draft_model_path: speculative_algorithm STANDALONE needs a draft model")
         if self.speculative_algorithm is None:
             return
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:

@@ -150,6 +150,10 @@ def _summary(stats: dict, url: str) -> Table:
         t.add_row("speculative", f"drafts {_num(spec['drafts'])}",
                   f"accepted {_num(spec.get('accepted_tokens'))} of {_num(spec.get('draft_tokens'))} draft tokens",
                   f"{1 + spec.get('accepted_tokens', 0) / spec['drafts']:.2f} tokens a verified step")
+        per = spec.get("accepted_per_draft") or {}
+        if per:
+            t.add_row("", "accepted per draft", "  ".join(f"{m}: {_num(n)}" for m, n in sorted(
+                per.items(), key=lambda kv: int(kv[0]))), "")
     pd = stats.get("disaggregation") or {}
     if pd.get("mode") in ("prefill", "decode"):
         moved = "sent" if pd["mode"] == "prefill" else "received"

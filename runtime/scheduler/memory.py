@@ -2,7 +2,8 @@
 
 Shared by the planners (room for the next chunk or token) and the output processor (a finished
 request's release, a failed load-back's retraction). Every call into the cache goes through the
-`CacheManager`; the retraction victim is the `BudgetPolicy`'s.
+`CacheManager`; the retraction victim is the `BudgetPolicy`'s. With speculative decoding, a
+request's release also releases what the `Drafter` holds for it (a draft model's KV).
 """
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ if TYPE_CHECKING:
     from hicache.runtime.policy import BudgetPolicy
     from hicache.runtime.request import Req
     from hicache.runtime.scheduler.queue import QueueState
+    from hicache.runtime.spec.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
 
 class Memory:
-    def __init__(self, queue: QueueState, cache: CacheManager, policy: BudgetPolicy, counters: Counters):
+    def __init__(self, queue: QueueState, cache: CacheManager, policy: BudgetPolicy, counters: Counters,
+                 drafter: Drafter | None = None):
         self.queue, self.cache, self.policy, self.counters = queue, cache, policy, counters
+        self.drafter = drafter
 
     def make_room(self, req: Req, upto: int) -> bool:
         """Grows a running request's slots to `upto` tokens, retracting the policy's victims while
@@ -43,6 +47,8 @@ class Memory:
         prefix was never loaded correctly) and frees the rest."""
         self.cache.release(req.lease, req.all_ids[:req.kv_len], len(req.input_ids), keep_kv)
         req.kv_len = 0
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     def retract(self, req: Req, keep_kv: bool = True) -> None:
         """Out of KV (or its load-back failed: `keep_kv=False`): put a running request back in the

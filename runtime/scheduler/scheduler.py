@@ -73,9 +73,9 @@ class Scheduler:
         self.sender, self.receiver = disagg.build(rc.disaggregation_mode, parts.pool, self.page_size,
                                                   rc.disaggregation_bootstrap_host or "127.0.0.1",
                                                   rc.disaggregation_bootstrap_port, rc.disaggregation_timeout)
-        self.memory = Memory(self.queue, self.cache, self.policy, self.counters)
-        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length) if rc.speculative_algorithm \
-            else None
+        self.drafter = Drafter(rc, self.cache, self.counters, self.context_length, parts.draft) \
+            if rc.speculative_algorithm else None
+        self.memory = Memory(self.queue, self.cache, self.policy, self.counters, self.drafter)
         self.output = OutputProcessor(self.queue, self.cache, self.memory, self.grammars, self.stop_checker,
                                       self.jump, self.counters, self.context_length, self.drafter, self.sender)
         self.decode = DecodePlanner(self.queue, self.cache, self.policy, self.memory, self.stop_checker,
@@ -186,7 +186,7 @@ class Scheduler:
             self.step()
         self.counters.update(counters)
         if self.drafter is not None:
-            self.drafter.costs.clear()  # its steps compiled kernels: no measure of what a step costs
+            self.drafter.reset()  # its steps compiled kernels: no measure of what a step costs
 
     def abort(self, rid: str) -> None:
         if self.overlap is not None and self.overlap.holds(rid):
@@ -229,20 +229,15 @@ class Scheduler:
         """One step; with overlap, the outputs are those of the step launched by the call before."""
         if self.overlap is not None:
             self.overlap.step()
-        elif (plan := self.schedule()) is not None:
-            self.process_result(plan, self._run(plan))
         else:
-            self.idle_wait()
+            start = time.perf_counter()
+            if (plan := self.schedule()) is None:
+                self.idle_wait()
+            else:
+                self.process_result(plan, self.runner.run(plan))
+                if self.drafter is not None:  # the whole step's seconds: the drafter's step costs
+                    self.drafter.timed(plan, time.perf_counter() - start)
         return self.output.take()
-
-    def _run(self, plan: BatchPlan) -> StepOutput:
-        """Runs the plan; with speculative decoding, its seconds go to the drafter's step costs."""
-        if self.drafter is None:
-            return self.runner.run(plan)
-        start = time.perf_counter()
-        out = self.runner.run(plan)
-        self.drafter.timed(plan, time.perf_counter() - start)
-        return out
 
     def idle_wait(self) -> None:
         """Nothing to run: wait a little for a prompt's KV from a prefill server, a grammar to
@@ -268,7 +263,7 @@ class Scheduler:
         """Empties L1 and L2; False while requests run or transfers are in flight."""
         if self.queue.running_count() or self.queue.has_waiting() or self._step_in_flight():
             return False
-        return self.cache.flush()
+        return self.cache.flush() and (self.drafter is None or self.drafter.flush())
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -316,6 +311,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity([r.lease for r in self.queue.running], self.rc.max_running_requests)
+        if self.drafter is not None:
+            self.drafter.check_integrity(list(self.queue.running))
 
     def stats(self) -> dict:
         part = self.sender or self.receiver

@@ -3,7 +3,10 @@ the tiny random model (driving the Scheduler, integrity checked after every step
 default model; rejection sampling keeps the target distribution; bad options name their field."""
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +16,13 @@ from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
 from hicache.runtime.sampler import filtered_probs
 from hicache.runtime.sampling import SamplingParams
+from hicache.runtime.spec.drafter import Drafter
 from hicache.runtime.spec.verify import accept_sampled, verify
 from engines import make_engine
 from test_overlap import GREEDY, request, run
+
+
+REAL_TIMED = Drafter.timed  # (the fixture below replaces it)
 
 
 @pytest.fixture(autouse=True)
@@ -23,19 +30,20 @@ def memory_bound_step_costs(monkeypatch):
     """Step costs of a memory-bound device (a token more costs a hundredth of a step), recorded
     instead of this machine's timings: whether and how long a request drafts must not depend on
     how loaded the machine running the tests is. The cost model itself is tested on its own."""
-    from hicache.runtime.spec.drafter import Drafter
-
     def timed(self, plan, seconds):
         if plan.mode in ("decode", "verify"):
+            self.costs.tick()
             self.costs.record(sum(plan.extend_lens), 0.01 * (1 + sum(plan.extend_lens) / 100))
     monkeypatch.setattr(Drafter, "timed", timed)
 
 
-def scheduler(config_path, spec: bool, page_size: int = 4, **options):
-    options = {"max_total_tokens": 1024, **options}
+def scheduler(config_path, spec: bool, page_size: int = 4, draft=None, **options):
+    """NGRAM with `spec`; STANDALONE with `draft` (the draft model's config: dummy weights too)."""
+    options = {"max_total_tokens": 1024, "chunked_prefill_size": 48, **options}
+    algorithm = "STANDALONE" if draft is not None else "NGRAM" if spec else None
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_running_requests=8,
-                       chunked_prefill_size=48, max_prefill_tokens=96, device="cpu", dtype="float32",
-                       speculative_algorithm="NGRAM" if spec else None, **options)
+                       max_prefill_tokens=96, device="cpu", dtype="float32", speculative_algorithm=algorithm,
+                       speculative_draft_model_path=None if draft is None else str(draft), **options)
     return build_scheduler(rc, HiCacheConfig(page_size=page_size, hicache_storage_backend="none"))
 
 
@@ -140,8 +148,8 @@ def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path
     from hicache.runtime.spec.drafter import REFRESH, StepCosts
 
     drafter = scheduler(tiny_config_path, True).drafter
-    proposals = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert drafter.fit([0.5, 0.5], proposals) == [[], []]  # a plain step of two is measured first
+    proposals = [4, 4]  # draft tokens proposed
+    assert drafter.fit([0.5, 0.5], proposals) == [0, 0]  # a plain step of two is measured first
     drafter.costs.record(2, 0.010)
     assert drafter.fit([0.5, 0.5], proposals) == proposals  # larger steps: estimated as that one, tried
     costs = StepCosts()
@@ -151,31 +159,89 @@ def test_drafts_are_cut_to_what_the_measured_step_costs_pay_for(tiny_config_path
     for n in range(2, 11):  # memory-bound steps: a token more costs little
         drafter.costs.record(n, 0.010 + 0.0001 * n)
     assert drafter.fit([0.9, 0.9], proposals) == proposals
-    assert drafter.fit([0.9, 0.02], proposals) == [[1, 2, 3, 4], []]  # one whose drafts fail drafts none
+    assert drafter.fit([0.9, 0.02], proposals) == [4, 0]  # one whose drafts fail drafts none
     for n in range(2, 11):  # compute-bound steps: each token costs as much as the step before
         drafter.costs.record(n, 0.005 * n)
         drafter.costs.record(n, 0.005 * n)
         drafter.costs.record(n, 0.005 * n)
-    assert drafter.fit([0.6, 0.6], proposals) == [[], []]
+    assert drafter.fit([0.6, 0.6], proposals) == [0, 0]
     for _ in range(REFRESH):
+        drafter.costs.tick()
         drafter.costs.record(10, 0.001)
-    assert drafter.costs.stale(2) and drafter.fit([0.99, 0.99], proposals) == [[], []]  # measured again first
+    assert drafter.costs.stale(2) and drafter.fit([0.99, 0.99], proposals) == [0, 0]  # measured again first
+
+
+def test_a_batch_size_whose_verify_steps_gave_less_than_plain_ones_stops_drafting(tiny_config_path):
+    """The expected gain says draft (memory-bound costs, good rates), but verify steps of two
+    requests were measured to give fewer tokens a second than a plain step of two: no drafts
+    at that size until that measure is REFRESH steps old; other sizes draft. A single bad verify
+    step (one whose drafts were all rejected) is not enough."""
+    from hicache.runtime.spec.drafter import REFRESH, YIELD_EVIDENCE
+
+    drafter = scheduler(tiny_config_path, True).drafter
+    proposals = [4, 4]  # draft tokens proposed
+    for n in range(1, 11):
+        drafter.costs.record(n, 0.010 + 0.0001 * n)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals
+    drafter.yields.record(2, 0.06, 2)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # one step: no evidence yet
+    drafter.yields.clear()
+    for _ in range(YIELD_EVIDENCE):  # seconds and tokens emitted; a plain step of two: 0.0051 a token
+        drafter.yields.record(2, 0.0204, 4)
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # (no worse)
+    drafter.yields.record(2, 0.06, 2)
+    assert drafter.fit([0.9, 0.9], proposals) == [0, 0]
+    assert drafter.fit([0.9, 0.9, 0.9], proposals + [1]) == proposals + [1]
+    for _ in range(REFRESH):
+        drafter.yields.tick()
+    assert drafter.fit([0.9, 0.9], proposals) == proposals  # tried again
+
+
+def test_timed_steps_measure_step_costs_and_verify_yields(tiny_config_path):
+    """A step's seconds go to the costs of its token count; a verify step's, over the tokens it
+    emitted (one a request plus the drafts accepted), to its batch size's yield too."""
+    from hicache.runtime.batch import BatchPlan
+    from hicache.runtime.spec.drafter import YIELD_EVIDENCE, SpecState
+
+    drafter = scheduler(tiny_config_path, True).drafter
+    REAL_TIMED(drafter, BatchPlan("decode", [None, None], [5, 7], [1, 1], [True, True]), 0.02)
+    assert drafter.costs.measured(2) == 0.02 and drafter.yields.seconds_per_token(2) is None
+    a, b = SimpleNamespace(spec=SpecState(1, 3)), SimpleNamespace(spec=SpecState(1, 3))
+    verify = BatchPlan("verify", [a, b], [5, 7], [4, 3], [True, True], drafts=[[1, 2, 3], [4, 5]])
+    for n in range(YIELD_EVIDENCE):
+        assert drafter.yields.seconds_per_token(2) is None  # too few verify steps measured yet
+        drafter.record(a, 3, 2)
+        drafter.record(b, 2, 0)
+        REAL_TIMED(drafter, verify, 0.03)
+        if n == 0:
+            assert drafter.costs.measured(7) == 0.03
+            assert drafter.prior == pytest.approx((0.99 * 2 + 1) / (0.99 * 2 + 0.99 + 1 + 2))  # 2 accepted, 2 rejections
+    assert drafter.yields.seconds_per_token(2) == pytest.approx(0.03 / 4)  # 4 tokens a step: 1 + 1 + 2 accepted
+
+
+def test_a_new_request_starts_from_the_server_share_of_accepted_drafts():
+    from hicache.runtime.spec.drafter import SpecState
+
+    fresh = SpecState(1, 3)
+    assert fresh.rate() == 0.5 and fresh.rate(0.1) == pytest.approx(0.1)
+    fresh.record(4, 4)
+    assert fresh.rate(0.1) > 0.5
 
 
 def test_a_request_record_of_rejections_fades():
     from hicache.runtime.spec.drafter import SpecState
 
     state = SpecState(1, 3)
-    assert state.rate == 0.5
+    assert state.rate() == 0.5
     for _ in range(5):
         state.record(4, 0)
-    low = state.rate
+    low = state.rate()
     assert low < 0.2
     for _ in range(40):
         state.fade()
-    assert low < state.rate < 0.5  # tried again, some time later
+    assert low < state.rate() < 0.5  # tried again, some time later
     state.record(4, 4)
-    assert state.rate > 0.5
+    assert state.rate() > 0.5
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -248,10 +314,84 @@ def _penalized(row: torch.Tensor, params: SamplingParams, history: list[int]) ->
     ({"speculative_algorithm": "NGRAM", "speculative_max_batch_size": 0}, "speculative_max_batch_size"),
     ({"speculative_algorithm": "NGRAM", "overlap_schedule": True}, "speculative_algorithm"),
     ({"speculative_algorithm": "NGRAM", "tp_size": 2}, "speculative_algorithm"),
+    ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "x"}, "speculative_draft_model_path"),
+    ({"speculative_draft_model_path": "x"}, "speculative_draft_model_path"),
 ])
 def test_bad_options_name_their_field(options, field):
     with pytest.raises(ValueError, match=field):
         RuntimeConfig(**options)
+
+
+def tiny_draft(tmp_path, tiny_config_path, **changes) -> Path:
+    """A config of another tiny random model: the target's with `changes`."""
+    cfg = {**json.loads(tiny_config_path.read_text()), "_name_or_path": "tiny-draft", **changes}
+    path = tmp_path / "draft.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(params=["the target", "another model"])
+def draft_config(request, tmp_path, tiny_config_path):
+    """The draft model of STANDALONE tests: the target itself (same dummy weights: its drafts are
+    the target's tokens) or a smaller random model with the same vocabulary."""
+    if request.param == "the target":
+        return tiny_config_path
+    return tiny_draft(tmp_path, tiny_config_path, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_standalone_greedy_outputs_equal_decoding_across_chunked_prefill(tiny_config_path, draft_config, page_size):
+    """Prompts longer than a prefill chunk; the draft catches up on each request's tokens, its
+    rejected drafts' KV freed (integrity of both caches after every step), and its prefixes
+    cached in its own tree once requests finish."""
+    small = {"chunked_prefill_size": 16}
+    base = scheduler(tiny_config_path, False, page_size, **small)
+    plain = run(base, repeating(0, 6, GREEDY))
+    sched = scheduler(tiny_config_path, True, page_size, draft=draft_config, **small)
+    spec = run(sched, repeating(0, 6, GREEDY))  # integrity of both caches after every step
+    assert sched.cache.tree.total_tokens() == base.cache.tree.total_tokens()  # no rejected draft reached it
+    for rid in plain:
+        assert spec[rid]["ids"] == plain[rid]["ids"] and spec[rid]["reason"] == plain[rid]["reason"], rid
+    counts = sched.stats()["speculative"]
+    assert counts["drafts"] > 0
+    if draft_config == tiny_config_path:  # the same weights: the draft decodes the target's tokens
+        assert counts["accepted_tokens"] > 0.9 * counts["draft_tokens"]
+    # the draft's tree holds what it computed of the finished requests, no more than the target's
+    assert 0 < sched.drafter.model.cache.tree.total_tokens() <= base.cache.tree.total_tokens()
+
+
+def test_standalone_greedy_equal_under_retraction_stop_tokens_and_sampling(tiny_config_path, draft_config):
+    """A small L1 (requests retracted while they draft: their shadows released), stop tokens that
+    drafts carry past, and sampled requests that finish at their length."""
+    first = run(scheduler(tiny_config_path, False), repeating(1, 4, GREEDY))
+    stops = {rid: o["ids"][7] for rid, o in first.items()}
+
+    def script():
+        return {step: [request(m.rid, m.input_ids, {**GREEDY, "max_new_tokens": m.sampling_params.max_new_tokens,
+                                                     "stop_token_ids": [stops[m.rid]]}) for m in msgs]
+                for step, msgs in repeating(1, 4, GREEDY).items()}
+
+    plain = run(scheduler(tiny_config_path, False), script())
+    spec = run(scheduler(tiny_config_path, True, draft=draft_config), script())
+    for rid in plain:
+        assert spec[rid]["ids"] == plain[rid]["ids"] and spec[rid]["reason"] == plain[rid]["reason"], rid
+    small = {"max_total_tokens": 160, "schedule_conservativeness": 0}
+    plain = run(scheduler(tiny_config_path, False, **small), repeating(2, 6, GREEDY))
+    sched = scheduler(tiny_config_path, True, draft=draft_config, **small)
+    spec = run(sched, repeating(2, 6, GREEDY))
+    for rid in plain:
+        assert spec[rid]["ids"] == plain[rid]["ids"], rid
+    assert sched.stats()["retractions"] > 0 and sched.stats()["speculative"]["drafts"] > 0
+    params = {"temperature": 0.8, "top_k": 20, "seed": 3, "ignore_eos": True}
+    out = run(scheduler(tiny_config_path, True, draft=draft_config), repeating(3, 4, params))
+    assert [len(out[f"r{i}"]["ids"]) for i in range(4)] == [29 + 5 * i for i in range(4)]
+
+
+def test_standalone_refuses_a_draft_model_of_another_vocabulary(tmp_path, tiny_config_path):
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        scheduler(tiny_config_path, True, draft=tiny_draft(tmp_path, tiny_config_path, vocab_size=256))
 
 
 MERGE = """def merge_sorted(a, b):
@@ -307,3 +447,30 @@ def test_a_regenerated_answer_drafts_from_the_cache(default_model_path):
         lengths[capacity], texts[capacity] = again["meta_info"].get("spec_accept_length", 1.0), again["output_ids"]
     assert texts[0] == texts[1_000_000]
     assert lengths[1_000_000] >= 1.5 * lengths[0], lengths
+
+
+def test_default_model_standalone_greedy_equal_with_stop_strings_and_chunked_prefill(default_model_path):
+    """The default model drafting for itself (its drafts hold), prompts in chunks, and a stop
+    string inside the answer: the text ends where decoding without drafts ends it."""
+    prompt = ("<|im_start|>user\nRewrite this Python function, renaming merge_sorted to merge_lists, and keep "
+              f"everything else the same:\n\n{MERGE}<|im_end|>\n<|im_start|>assistant\n")
+    outs, stats = {}, None
+    for spec in (None, "STANDALONE"):
+        engine = make_engine(default_model_path, speculative_algorithm=spec, hicache_storage_backend="none",
+                             max_total_tokens=4096, chunked_prefill_size=32,
+                             speculative_draft_model_path=default_model_path if spec else None)
+        try:
+            free = engine.generate(prompt, sampling_params={"temperature": 0, "max_new_tokens": 64})
+            stop = free["text"][len(free["text"]) // 2:][:6]
+            stopped = engine.generate(prompt, sampling_params={"temperature": 0, "max_new_tokens": 64, "stop": stop})
+            outs[spec] = (free, stopped, stop)
+            stats = engine.get_stats()
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+    (free, stopped, stop), (sfree, sstopped, sstop) = outs[None], outs["STANDALONE"]
+    assert sfree["output_ids"] == free["output_ids"] and sstop == stop
+    assert sstopped["text"] == stopped["text"] and len(stopped["text"]) < len(free["text"])
+    assert sstopped["meta_info"]["finish_reason"] == stopped["meta_info"]["finish_reason"]
+    assert stats["speculative"]["accepted_tokens"] > 0.8 * stats["speculative"]["draft_tokens"] > 0
+    assert sfree["meta_info"]["spec_accept_length"] > 2

@@ -250,6 +250,7 @@ def test_metrics_and_the_cli_show_speculative_decoding():
     console.print(stats_cli.render({**STATS, "speculative": spec}, "http://x"))
     text = console.export_text()
     assert "accepted 25 of 40 draft tokens" in text and "3.50 tokens" in text
+    assert "accepted per draft" in text and "0: 2  1: 1  2: 3  3: 1  4: 3" in text  # the histogram
 
 
 def test_stats_hit_rates_and_table():
