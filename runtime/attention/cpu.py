@@ -1,7 +1,10 @@
 """The "cpu" attention backend: the compiled CPU kernel that reads the paged pool in place
 (`hicache.kernels.cpu.paged_attention`), for decode and extend, requests of any lengths in one
 ragged batch; in a decode batch, the keys that requests share (the same slots: a prompt the radix
-cache shares) read once for all of them (`cpu.shared_keys`)."""
+cache shares) read once for all of them (`cpu.shared_keys`). A pass with a chunk of `LONG_CHUNK`
+new tokens or more attends through torch's SDPA over the gathered keys instead (the reference
+`extend_attention`), several times faster than the kernel on many query rows
+(benchmarks/cpu_attention.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,9 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.kernels import cpu
+from hicache.kernels.attention import extend_attention, store_kv
 
 if TYPE_CHECKING:
     from hicache.runtime.batch import ForwardBatch
+
+LONG_CHUNK = 16
 
 
 class CpuAttention:
@@ -36,6 +42,9 @@ class CpuAttention:
                 if batch.mode == "decode" and len(batch.extend_lens) > 1 else None
         shared = None if window else self._shared
         batch = batch.for_layer(layer_id)
-        return cpu.paged_attention(q, k, v, batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id),
-                                   batch.out_cache_loc, batch.req_to_token, batch.req_rows, batch.prefix_lens,
-                                   batch.extend_lens_dev, batch.q_starts, self.scale, window, shared)
+        k_buf, v_buf = batch.pool.k_buffer(layer_id), batch.pool.v_buffer(layer_id)
+        if batch.mode != "decode" and batch.max_extend >= LONG_CHUNK:
+            store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+            return extend_attention(q, k_buf, v_buf, batch.token_slots, batch.extend_lens, self.scale, window)
+        return cpu.paged_attention(q, k, v, k_buf, v_buf, batch.out_cache_loc, batch.req_to_token, batch.req_rows,
+                                   batch.prefix_lens, batch.extend_lens_dev, batch.q_starts, self.scale, window, shared)
