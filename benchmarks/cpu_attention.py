@@ -55,12 +55,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'prefix':>7} {'new':>5} {'kernel ms':>10} {'GFLOP/s':>8} {'sdpa ms':>9} {'GFLOP/s':>8} {'kernel/sdpa':>11}")
+    print(f"{'prefix':>7} {'new':>5} {'kernel ms':>10} {'GFLOP/s':>8} {'sdpa ms':>9} {'GFLOP/s':>8} "
+          f"{'kernel/sdpa':>11}")
     for prefix, n in CASES:
         tk, ts = case(prefix, n, args.repeat)
         flops = n * (prefix + (n + 1) / 2) * HQ * D * 4
-        print(f"{prefix:>7} {n:>5} {tk * 1e3:>10.2f} {flops / tk / 1e9:>8.1f} {ts * 1e3:>9.2f} {flops / ts / 1e9:>8.1f} "
-              f"{tk / ts:>11.2f}")
+        print(f"{prefix:>7} {n:>5} {tk * 1e3:>10.2f} {flops / tk / 1e9:>8.1f} {ts * 1e3:>9.2f} "
+              f"{flops / ts / 1e9:>8.1f} {tk / ts:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from golden import first_difference
 from hicache import Engine
+from hicache.runtime.messages import GenerateRequest
+from hicache.runtime.sampling import SamplingParams
 
 MEMORY_L3 = {"hicache_storage_backend": "memory"}
 
@@ -21,6 +23,25 @@ def make_engine(model_path: str | Path, **options) -> Engine:
 
 def greedy(new_tokens: int) -> dict:
     return {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+
+def run_together(sched, tag: str, prompts: list[list[int]], vocab: int, new_tokens: int,
+                 **sampling) -> list[tuple[list[int], dict]]:
+    """Greedy outputs and meta of `prompts` submitted together to a Scheduler, its cache's
+    integrity checked after every step."""
+    params = SamplingParams.from_dict({**greedy(new_tokens), **sampling}, vocab_size=vocab)
+    for i, p in enumerate(prompts):
+        sched.add_request(GenerateRequest(f"{tag}{i}", p, params))
+    out: dict[str, list] = {}
+    for _ in range(5000):
+        if not sched.has_requests():
+            return [(out[f"{tag}{i}"][0], out[f"{tag}{i}"][1]) for i in range(len(prompts))]
+        for o in sched.step():
+            rec = out.setdefault(o.rid, [[], None])
+            rec[0] += o.new_token_ids
+            rec[1] = o.meta
+        sched.check_integrity()
+    raise AssertionError("the requests did not finish")
 
 
 def generate_ids(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

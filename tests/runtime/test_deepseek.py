@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import greedy, make_engine
+from engines import greedy, make_engine, run_together
 from families import hf_greedy, save_folder
 from hicache.config import HiCacheConfig
 from hicache.runtime.attention import make_latent_attention
@@ -20,11 +20,9 @@ from hicache.runtime.attention.latent import LatentAttention
 from hicache.runtime.batch import ForwardBatch
 from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
-from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.model_config import ModelConfig
 from hicache.runtime.parallel import SINGLE, TensorParallel
 from hicache.runtime.models import get_model_class
-from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.tokenizer import load_tokenizer
 from hicache.runtime.weights import load_model
 from hicache.runtime.weights.gguf import GGUFCheckpoint
@@ -335,20 +333,8 @@ def test_tp2_overlapped_scheduler_matches_hf(tiny):
     assert all(m["cached_tokens"] > 0 for _, m in outs)
 
 
-def _run_together(sched, tag: str, prompts: list[list[int]]) -> list[tuple[list[int], dict]]:
-    params = SamplingParams.from_dict(greedy(NEW_TOKENS), vocab_size=VOCAB)
-    for i, p in enumerate(prompts):
-        sched.add_request(GenerateRequest(f"{tag}{i}", p, params))
-    out: dict[str, list] = {}
-    for _ in range(5000):
-        if not sched.has_requests():
-            return [(out[f"{tag}{i}"][0], out[f"{tag}{i}"][1]) for i in range(len(prompts))]
-        for o in sched.step():
-            rec = out.setdefault(o.rid, [[], None])
-            rec[0] += o.new_token_ids
-            rec[1] = o.meta
-        sched.check_integrity()
-    raise AssertionError("the requests did not finish")
+def _run_together(sched, tag: str, prompts: list[list[int]], **sampling) -> list[tuple[list[int], dict]]:
+    return run_together(sched, tag, prompts, VOCAB, NEW_TOKENS, **sampling)
 
 
 def test_deepseek_config_refusals():

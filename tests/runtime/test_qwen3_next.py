@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import greedy, make_engine
+from engines import greedy, make_engine, run_together
 from families import hf_greedy, save_folder
 from hicache.config import HiCacheConfig
 from hicache.recurrent import StateSlots
@@ -20,9 +20,7 @@ from hicache.runtime.attention.reference import TorchAttention
 from hicache.runtime.batch import ForwardBatch, RecurrentBatch
 from hicache.runtime.build import build_scheduler
 from hicache.runtime.config import RuntimeConfig
-from hicache.runtime.messages import GenerateRequest
 from hicache.runtime.model_config import ModelConfig
-from hicache.runtime.sampling import SamplingParams
 from hicache.runtime.tokenizer import load_tokenizer
 from hicache.runtime.weights import load_model
 from hicache.tiers.gpu.pool import DeviceKVPool
@@ -125,21 +123,7 @@ def _scheduler(folder: Path, hicache_ratio: float = 2.0, **options):
 
 
 def _run(sched, tag: str, prompts: list[list[int]], **sampling) -> list[tuple[list[int], dict]]:
-    """Greedy outputs and meta of `prompts` submitted together; the cache's integrity checked
-    after every step."""
-    params = SamplingParams.from_dict({**greedy(NEW_TOKENS), **sampling}, vocab_size=VOCAB)
-    for i, p in enumerate(prompts):
-        sched.add_request(GenerateRequest(f"{tag}{i}", p, params))
-    out: dict[str, list] = {}
-    for _ in range(5000):
-        if not sched.has_requests():
-            return [(out[f"{tag}{i}"][0], out[f"{tag}{i}"][1]) for i in range(len(prompts))]
-        for o in sched.step():
-            rec = out.setdefault(o.rid, [[], None])
-            rec[0] += o.new_token_ids
-            rec[1] = o.meta
-        sched.check_integrity()
-    raise AssertionError("the requests did not finish")
+    return run_together(sched, tag, prompts, VOCAB, NEW_TOKENS, **sampling)
 
 
 def test_conversation_turn_two_restores_the_state(tiny):
