@@ -25,16 +25,12 @@ setup: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# the suite on TEST_WORKERS processes (pytest-xdist), each test file on one of them: its module's
-# server and fixtures start once
-TEST_WORKERS ?= 2
-
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # the default suite, the tests marked slow (longer end-to-end runs) and more Hypothesis examples
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "slow or not slow" --hypothesis-profile thorough $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow or not slow" --hypothesis-profile thorough $(PYTEST_ARGS)
 
 # HF transformers' reference outputs under tests/golden (see tests/golden/regenerate.py)
 golden: $(STAMP)

@@ -13,7 +13,9 @@ from engines import make_engine
 pytestmark = pytest.mark.model
 
 CHUNK, PAGE = 8, 4  # a 40-token prompt spans five prefill chunks
-TOL = 5e-4  # fp32: our oneDNN linears and compiled attention sum in other orders than HF's torch ops
+TOL = 3e-3  # fp32: our oneDNN linears and compiled attention sum in other orders than HF's torch ops, which
+# over 30 layers moves a log-prob by up to about 2e-3 on some random prompts; a wrong position or chunk
+# boundary moves it by far more
 
 
 @pytest.fixture(scope="module")
