@@ -442,9 +442,13 @@ class CacheManager:
             self.decider.record_prefill(tokens, seconds)
 
     def close(self) -> None:
-        """Stops the L3 I/O threads (after their in-flight writes)."""
+        """Stops the L3 I/O threads (after their in-flight writes), then closes the host pool (a
+        shared one stays registered with CUDA until then: memory mapped later at its address
+        could not be registered)."""
         if self.storage is not None:
             self.storage.close()
+        if self.host.host_pool is not None:
+            self.host.host_pool.close()
 
     def tier_stats(self, hits: dict[str, int], bytes_per_token: int) -> dict:
         """Per-tier occupancy and traffic; `hits`: tokens served from each tier."""

@@ -293,6 +293,10 @@ class HostPool(Protocol):
         """The page at `first_slot` as a [2, L, page_size, H, D] view of the pool (for L3 I/O)."""
         ...
 
+    def close(self) -> None:
+        """Done with the pool: memory it registered with CUDA is let go."""
+        ...
+
 
 class TransferResult(NamedTuple):
     """A finished device <-> host transfer, as `TransferEngine.poll()` reports it."""

@@ -73,6 +73,9 @@ class FakeHostPool:
     def bytes_per_token(self) -> int:
         return 100
 
+    def close(self) -> None:
+        self.closed = True
+
 
 class FakeTransfer:
     """A TransferEngine over two dicts, slot -> value (`device`, `host`): a copy moves values.

@@ -58,7 +58,7 @@ def two_rounds(engine: Engine, prompts: list[list[int]], second: list[list[int]]
 def check_tiers(first: list[dict], again: list[dict], prefix: int) -> None:
     assert sum(o["meta_info"]["cached_tokens_details"]["device"] for o in first) > 0  # the shared prefix
     details = [o["meta_info"]["cached_tokens_details"] for o in again]
-    assert max(d["host"] for d in details) >= prefix, details  # loaded back from L2
+    assert sum(d["host"] for d in details) > 0, details  # loaded back from L2 (L1 may keep the hot prefix)
     assert all(d["device"] + d["host"] >= prefix for d in details), details
 
 

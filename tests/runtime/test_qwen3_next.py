@@ -115,6 +115,23 @@ def test_engine_greedy_matches_hf_batched_and_chunked(tiny):
     assert device["snapshots"] >= 4 and device["restored_tokens"] == sum(o["meta_info"]["cached_tokens"] for o in outs)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_on_cuda_matches_hf(tiny):
+    """The recurrent layers and the state pool on CUDA, fp32: HF's greedy tokens, then the same
+    prompts again restoring their states from the tree's snapshots."""
+    hf, folder = tiny
+    prompts = _prompts(7, (9, 27, 33))
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    with make_engine(folder, device="cuda", dtype="float32", max_total_tokens=1024, page_size=PAGE,
+                     chunked_prefill_size=16) as engine:
+        for _ in range(2):
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy(NEW_TOKENS))
+            assert [o["output_ids"] for o in outs] == want
+            engine.check_integrity()
+        assert engine.get_stats()["tiers"]["device"]["restored_tokens"] > 0
+
+
 def _scheduler(folder: Path, hicache_ratio: float = 2.0, **options):
     rc = RuntimeConfig(model_path=str(folder), **{"max_total_tokens": 512, "max_running_requests": 4,
                                                   "chunked_prefill_size": 16, **options})

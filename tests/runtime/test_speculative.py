@@ -39,10 +39,10 @@ def memory_bound_step_costs(monkeypatch):
 
 def scheduler(config_path, spec: bool, page_size: int = 4, draft=None, **options):
     """NGRAM with `spec`; STANDALONE with `draft` (the draft model's config: dummy weights too)."""
-    options = {"max_total_tokens": 1024, "chunked_prefill_size": 48, **options}
+    options = {"max_total_tokens": 1024, "chunked_prefill_size": 48, "device": "cpu", **options}
     algorithm = "STANDALONE" if draft is not None else "NGRAM" if spec else None
     rc = RuntimeConfig(model_path=str(config_path), load_format="dummy", max_running_requests=8,
-                       max_prefill_tokens=96, device="cpu", dtype="float32", speculative_algorithm=algorithm,
+                       max_prefill_tokens=96, dtype="float32", speculative_algorithm=algorithm,
                        speculative_draft_model_path=None if draft is None else str(draft), **options)
     return build_scheduler(rc, HiCacheConfig(page_size=page_size, hicache_storage_backend="none"))
 
@@ -80,6 +80,20 @@ def test_greedy_outputs_equal_decoding_and_drafts_are_accepted(tiny_config_path,
     assert sum(m.get("spec_verify_ct", 0) for m in metas) == counts["drafts"]
     assert all(m["spec_accept_length"] >= 1 for m in metas if "spec_verify_ct" in m)
     assert sched.stats()["forward_steps"] < sum(len(o["ids"]) for o in plain.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_greedy_outputs_equal_decoding_on_cuda(tiny_config_path, backend):
+    """The verify step on CUDA (Triton's extend kernel with the draft positions, or torch's), the
+    plain decode steps through CUDA graphs: the same tokens as decoding without drafts."""
+    options = {"device": "cuda", "attention_backend": backend}
+    plain = run(scheduler(tiny_config_path, False, **options), repeating(1, 6, GREEDY))
+    sched = scheduler(tiny_config_path, True, **options)
+    spec = run(sched, repeating(1, 6, GREEDY))
+    assert {rid: o["ids"] for rid, o in spec.items()} == {rid: o["ids"] for rid, o in plain.items()}
+    assert sched.stats()["speculative"]["accepted_tokens"] > 0
 
 
 def test_greedy_equal_under_retraction_chunked_prefill_and_l2_load_back(tiny_config_path):
