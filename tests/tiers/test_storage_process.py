@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.config import HiCacheConfig
+from hicache.runtime.build import build_scheduler
+from hicache.runtime.config import RuntimeConfig
 from hicache.tiers.host.pool import HostKVPool
 from hicache.tiers.remote import make_backend
 from hicache.tiers.remote.process import StorageProcess
@@ -129,6 +132,23 @@ def test_closing_a_shared_pool_ends_its_memfd_and_keeps_its_bytes():
             os.fstat(fd)
         assert pool.shared_fd is None and not pool.pinned and bool((pool.buffer == i).all())
         del pool
+
+
+def test_a_closed_scheduler_closes_its_shared_host_pool(tmp_path, tiny_config_path):
+    """The cache facade's close ends the storage process, then the pool it shared (with CUDA, its
+    registration: a later pool mapped at its address could not be registered otherwise)."""
+    rc = RuntimeConfig(model_path=str(tiny_config_path), load_format="dummy", device="cpu", dtype="float32",
+                       max_total_tokens=256)
+    cc = HiCacheConfig(page_size=4, hicache_storage_backend="lmdb", hicache_storage_io="process",
+                       hicache_storage_backend_extra_config={"path": str(tmp_path)})
+    sched = build_scheduler(rc, cc)
+    pool = sched.cache.host.host_pool
+    fd = pool.shared_fd
+    os.fstat(fd)
+    sched.close()
+    assert pool.shared_fd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 def test_bad_options_and_a_backend_that_cannot_start_raise_here(tmp_path):
