@@ -8,7 +8,8 @@
 #
 # ENGINE: hicache (this checkout, installed) or sglang (SGLang 0.5.17 in $SITE, as
 # ../shared/device/sglang/join.sh installs it). MODEL_DIR: a Llama-3.1-8B-shaped folder with a real
-# tokenizer (../shared/device/sglang/tokenizer_model_dir.py), served with dummy weights.
+# tokenizer (../shared/device/sglang/tokenizer_model_dir.py), served with dummy weights. hicache's
+# packages that the GPU machine lacks: `../shared/device/wheels.sh crc32c` (crc32c for L3 values).
 # WORKLOAD: gsp (shared prefixes: 32 system prompts of 4,096 tokens, 16 questions of 256 each,
 # 64 output tokens: a working set of 2x L1 that L1 + L2 holds), gsp-l3 (64 system prompts: 4x L1,
 # beyond L1 + L2, with L3 on: hicache's LMDB, SGLang's `file`), random (random-ids, 2,048 in and
