@@ -63,7 +63,10 @@ trap stop EXIT
 store=none
 for w in "${workloads[@]}"; do
   want=none; [ "$w" = gsp-l3 ] && want=l3
-  if [ "${server:-}" = "" ] || [ "$want" != "$store" ]; then [ "${server:-}" = "" ] || stop; store=$want; start "$store"; fi
+  if [ -z "${server:-}" ] || [ "$want" != "$store" ]; then
+    if [ -n "${server:-}" ]; then stop; fi
+    store=$want; start "$store"
+  fi
   for seed in $SEEDS; do
     # shellcheck disable=SC2086
     PYTHONPATH=$SITE "$PY" -m sglang.bench_serving --backend sglang --host 127.0.0.1 --port "$PORT" \
@@ -71,6 +74,6 @@ for w in "${workloads[@]}"; do
       --flush-cache --output-file "$out/$engine-$w.jsonl" --tag "$engine-$w-$seed" 2>&1 |
       grep -E "Benchmark duration|Request throughput|Median TTFT|Median ITL|Successful requests" |
       sed "s/^/$engine $w seed $seed: /"
-    [ "$engine" = hicache ] && curl -s "$url/hicache/stats" >"$out/hicache-$w-$seed-stats.json"
+    if [ "$engine" = hicache ]; then curl -s "$url/hicache/stats" >"$out/hicache-$w-$seed-stats.json"; fi
   done
 done
